@@ -1,0 +1,115 @@
+"""Command line: ``pfl run``, ``pfl methods``, ``pfl datasets`` (also ``python -m pfl``)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Sequence
+
+from .schema import ConfigError, describe
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from . import config as config_mod
+    from .runner import format_bytes, run_experiment
+    from .tracking import tracking_uri
+
+    overrides = list(args.set or [])
+    if args.no_track:
+        overrides.append("tracking.enabled=false")
+    cfg = config_mod.load(args.config, overrides)  # validates everything before any work
+    if args.print_config:
+        print(cfg.to_yaml())
+        return 0
+    summary = run_experiment(cfg, checkpoint=args.checkpoint, resume=args.resume)
+    final = summary.final
+    print("\n== summary ==")
+    print(f"method {cfg.method.name} on {cfg.data.source}: {summary.status}"
+          + (f" ({summary.reason})" if summary.reason else ""))
+    for key in ("test/acc_mean", "test/acc_std", "test/acc_p10", "val/acc_mean", "global/test_acc",
+                "test/rmse_mean", "cluster/num", "cluster/ari"):
+        if key in final:
+            print(f"  {key:<18} {final[key]:.4f}")
+    print(f"  communication      up {format_bytes(final.get('comm/up_bytes', 0))}, "
+          f"down {format_bytes(final.get('comm/down_bytes', 0))}, "
+          f"total {int(final.get('comm/total_bytes', 0))} bytes")
+    print(f"  time               {final.get('time/elapsed_s', 0):.1f} s")
+    if summary.run_id:
+        print(f"  MLflow run {summary.run_id} in {tracking_uri()}")
+        print(f"  view: mlflow ui --backend-store-uri {tracking_uri()}")
+    return 0 if summary.status == "FINISHED" else 3
+
+
+def _print_fields(cls: type, indent: str = "    ") -> None:
+    rows = describe(cls)
+    if not rows:
+        print(f"{indent}(no hyperparameters)")
+    for name, tp, default, doc in rows:
+        print(f"{indent}{name:<22} {tp:<14} default {default!r:<12} {doc}")
+
+
+def _cmd_methods(args: argparse.Namespace) -> int:
+    from .methods import list_methods
+
+    if args.models:
+        from .models import list_models
+
+        for spec in list_models():
+            print(f"{spec.name}: {spec.description}")
+            _print_fields(spec.params)
+        return 0
+    for cls in list_methods():
+        print(f"{cls.name}: {cls.description}")
+        _print_fields(cls.Hparams)
+    return 0
+
+
+def _cmd_datasets(args: argparse.Namespace) -> int:
+    from .config import PARTITION_KINDS
+    from .data import list_sources
+
+    for spec in list_sources():
+        print(f"{spec.name}: {spec.description} (default model: {spec.default_model})")
+        _print_fields(spec.params)
+    print(f"partition kinds (data.partition.kind): {', '.join(PARTITION_KINDS)}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pfl", description="personalized federated learning experiments")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run one federated experiment")
+    run.add_argument("config", nargs="?", help="YAML config file (default: built-in defaults)")
+    run.add_argument("--set", nargs="+", metavar="KEY=VALUE", action="extend",
+                     help="dotted overrides, e.g. method.name=fedprox method.mu=0.1 federation.rounds=20")
+    run.add_argument("--no-track", action="store_true", help="do not log to MLflow")
+    run.add_argument("--checkpoint", help="checkpoint file (saved every federation.checkpoint_every rounds and at the end)")
+    run.add_argument("--resume", action="store_true", help="continue from --checkpoint if it exists")
+    run.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    run.set_defaults(func=_cmd_run)
+    methods = sub.add_parser("methods", help="list methods and their hyperparameters")
+    methods.add_argument("--models", action="store_true", help="list models and their parameters instead")
+    methods.set_defaults(func=_cmd_methods)
+    datasets = sub.add_parser("datasets", help="list data sources and their parameters")
+    datasets.set_defaults(func=_cmd_datasets)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,242 @@
+"""The experiment configuration: typed sections, YAML in and out, dotted overrides, validation.
+
+Layout (YAML)::
+
+    seed: 0
+    data: {source: digits, num_clients: 20, partition: {kind: dirichlet, alpha: 0.5}, ...}
+    model: {name: auto, params: {}}
+    method: {name: fedavg, <that method's hyperparameters>}
+    federation: {rounds: 50, clients_per_round: 10, local_epochs: 1, batch_size: 32, lr: 0.05, ...}
+    tracking: {enabled: true, experiment: pfl, run_name: null}
+
+Everything is validated by :func:`resolve` before any data is loaded or any model is trained: an
+unknown section, field, method, data source or model, or an out-of-range value, raises
+:class:`~pfl.schema.ConfigError` naming the dotted field and what is allowed.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .schema import ConfigError, check, from_dict, hp, to_dict, unknown_key_error
+
+PARTITION_KINDS = ("auto", "natural", "iid", "dirichlet", "shards", "label_swap", "rotation")
+
+
+@dataclass
+class PartitionConfig:
+    kind: str = hp("auto", "how pooled data is split over clients; 'auto' = 'natural' for sources "
+                   "that generate per-client data (fpfc_synthetic, fpfc_linear), else 'dirichlet'",
+                   choices=PARTITION_KINDS)
+    alpha: float = hp(0.5, "Dirichlet concentration over labels (dirichlet; label_swap/rotation "
+                      "split labels within the population with it; 0 = iid)", low=0.0)
+    classes_per_client: int = hp(2, "labels per client (shards)", low=1)
+    num_clusters: int = hp(4, "number of true clusters (label_swap, rotation)", low=1)
+    sizes: str = hp("equal", "client sizes for iid/shards/label_swap/rotation", choices=("equal", "power_law"))
+    power: float = hp(1.5, "power-law exponent of client sizes (sizes=power_law)", low=0.0, low_open=True)
+    min_samples: int = hp(10, "minimum number of samples per client (Dirichlet redraws/repairs below it)", low=1)
+
+
+@dataclass
+class DataConfig:
+    source: str = hp("digits", "data source (see `pfl datasets`)")
+    num_clients: int = hp(20, "number of clients", low=1)
+    partition: PartitionConfig = hp(default_factory=PartitionConfig)
+    val_fraction: float = hp(0.1, "fraction of each client's data held out for validation", low=0.0, high=0.9)
+    test_fraction: float = hp(0.2, "fraction of each client's data held out for testing", low=0.0, high=0.9)
+    max_samples: int | None = hp(None, "use a stratified random subset of at most this many pooled "
+                                 "samples (fast runs); null = all", low=1)
+    params: dict = hp(default_factory=dict, doc="source-specific parameters (see `pfl datasets`)")
+    cache: bool = hp(True, "cache partitions as Parquet keyed by a hash of this section")
+
+    def validate(self, path: str) -> None:
+        if self.val_fraction + self.test_fraction >= 1.0:
+            raise ConfigError(f"{path}.test_fraction", "val_fraction + test_fraction must be < 1")
+
+
+@dataclass
+class ModelConfig:
+    name: str = hp("auto", "model (see `pfl methods --models`); 'auto' picks the source's default")
+    params: dict = hp(default_factory=dict, doc="model-specific parameters")
+
+
+@dataclass
+class FederationConfig:
+    rounds: int = hp(50, "number of communication rounds", low=0)
+    clients_per_round: int = hp(10, "clients sampled per round (capped at data.num_clients; 0 = all)", low=0)
+    local_epochs: int = hp(1, "local epochs per round", low=0)
+    local_steps: int | None = hp(None, "if set, local minibatch steps per round instead of epochs", low=1)
+    batch_size: int = hp(32, "local minibatch size (0 = full batch)", low=0)
+    lr: float = hp(0.05, "client learning rate", low=0.0, low_open=True)
+    lr_decay: float = hp(1.0, "learning rate multiplied by this every lr_decay_every rounds", low=0.0, high=1.0, low_open=True)
+    lr_decay_every: int = hp(1, "rounds between learning-rate decays", low=1)
+    momentum: float = hp(0.0, "client SGD momentum (reset every round)", low=0.0, high=1.0, high_open=True)
+    weight_decay: float = hp(0.0, "client L2 weight decay", low=0.0)
+    eval_every: int = hp(1, "evaluate every this many rounds (and always at the last round)", low=1)
+    eval_global: bool = hp(True, "also evaluate the global model when the method has one")
+    checkpoint_every: int = hp(0, "save a checkpoint every this many rounds (0 = only on request)", low=0)
+    device: str = hp("cpu", "torch device: cpu, cuda, cuda:N or auto")
+    threads: int = hp(0, "torch CPU threads (0 = leave torch's default)", low=0)
+
+    def validate(self, path: str) -> None:
+        dev = self.device
+        if not (dev in ("cpu", "cuda", "auto", "mps") or (dev.startswith("cuda:") and dev[5:].isdigit())):
+            raise ConfigError(f"{path}.device", f"{dev!r} is not a device; allowed: cpu, cuda, cuda:N, mps, auto")
+
+
+@dataclass
+class TrackingConfig:
+    enabled: bool = hp(True, "log the run to MLflow")
+    experiment: str | None = hp(None, "MLflow experiment (default: mlflow.yaml's experiment)")
+    run_name: str | None = hp(None, "MLflow run name (default: method@source)")
+    log_model: bool = hp(True, "log the final model state as an artifact")
+
+
+@dataclass
+class MethodConfig:
+    """``name`` plus that method's hyperparameters, resolved to its dataclass by :func:`resolve`."""
+    name: str = "fedavg"
+    hparams: Any = None
+
+    def to_dict(self) -> dict:
+        out = {"name": self.name}
+        if self.hparams is not None:
+            out.update(to_dict(self.hparams))
+        return out
+
+
+SECTIONS = ("seed", "data", "model", "method", "federation", "tracking")
+
+
+@dataclass
+class ExperimentConfig:
+    seed: int = 0
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    method: MethodConfig = dataclasses.field(default_factory=MethodConfig)
+    federation: FederationConfig = dataclasses.field(default_factory=FederationConfig)
+    tracking: TrackingConfig = dataclasses.field(default_factory=TrackingConfig)
+
+    def to_dict(self) -> dict:
+        return {
+            "seed": self.seed,
+            "data": to_dict(self.data),
+            "model": to_dict(self.model),
+            "method": self.method.to_dict(),
+            "federation": to_dict(self.federation),
+            "tracking": to_dict(self.tracking),
+        }
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def replace(self, overrides: dict[str, Any] | list[str]) -> "ExperimentConfig":
+        """A new, validated config with dotted overrides applied."""
+        raw = self.to_dict()
+        return resolve(apply_overrides(raw, overrides))
+
+
+def parse_value(text: str) -> Any:
+    """A --set value: YAML scalar/list syntax (``0.1``, ``true``, ``[1, 2]``, ``null``)."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(raw: dict, overrides: dict[str, Any] | list[str] | None) -> dict:
+    """Apply ``key.sub=value`` strings (or a {dotted: value} dict) to a nested dict, in order.
+
+    Changing ``method.name`` drops the previous method's hyperparameters, which would otherwise be
+    rejected as unknown fields of the new method.
+    """
+    raw = copy.deepcopy(raw)
+    if not overrides:
+        return raw
+    if isinstance(overrides, dict):
+        items = list(overrides.items())
+    else:
+        items = []
+        for item in overrides:
+            if "=" not in item:
+                raise ConfigError(item, "an override must look like key.sub=value")
+            key, value = item.split("=", 1)
+            items.append((key.strip(), parse_value(value)))
+    # method.name first, so that hyperparameters set in the same call survive the reset
+    items.sort(key=lambda kv: kv[0] != "method.name")
+    for key, value in items:
+        parts = key.split(".")
+        if not all(parts):
+            raise ConfigError(key, "empty path component")
+        if parts[0] not in SECTIONS:
+            raise unknown_key_error(parts[0], SECTIONS, "")
+        if key == "method.name":
+            current = raw.get("method") or {}
+            if current.get("name") != value:
+                raw["method"] = {"name": value}
+            continue
+        node = raw
+        for part in parts[:-1]:
+            nxt = node.get(part)
+            if not isinstance(nxt, dict):
+                nxt = {}
+                node[part] = nxt
+            node = nxt
+        node[parts[-1]] = value
+    return raw
+
+
+def resolve(raw: dict | None) -> ExperimentConfig:
+    """Validate a nested dict into an :class:`ExperimentConfig` (registries included)."""
+    from .data import resolve_data_config
+    from .methods import resolve_method_config
+    from .models import resolve_model_config
+
+    raw = dict(raw or {})
+    for key in raw:
+        if key not in SECTIONS:
+            raise unknown_key_error(key, SECTIONS, "")
+    seed = raw.get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ConfigError("seed", f"expected a non-negative integer, got {seed!r}")
+    data = from_dict(DataConfig, raw.get("data"), "data")
+    resolve_data_config(data)
+    model = from_dict(ModelConfig, raw.get("model"), "model")
+    method_raw = dict(raw.get("method") or {})
+    if not isinstance(raw.get("method", {}), (dict, type(None))):
+        raise ConfigError("method", "expected a mapping with at least 'name'")
+    name = method_raw.pop("name", "fedavg")
+    method = resolve_method_config(name, method_raw)
+    federation = from_dict(FederationConfig, raw.get("federation"), "federation")
+    tracking = from_dict(TrackingConfig, raw.get("tracking"), "tracking")
+    cfg = ExperimentConfig(seed=seed, data=data, model=model, method=method,
+                           federation=federation, tracking=tracking)
+    resolve_model_config(cfg)
+    return cfg
+
+
+def load(path: str | Path | None = None, overrides: list[str] | dict | None = None) -> ExperimentConfig:
+    """Read a YAML file (or start from the defaults), apply overrides, validate."""
+    raw: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError("config", f"no such file: {p}")
+        loaded = yaml.safe_load(p.read_text())
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError("config", f"{p} must hold a mapping at the top level")
+        raw = loaded or {}
+    return resolve(apply_overrides(raw, overrides))
+
+
+__all__ = [
+    "ConfigError", "DataConfig", "ExperimentConfig", "FederationConfig", "MethodConfig",
+    "ModelConfig", "PartitionConfig", "TrackingConfig", "apply_overrides", "check", "load",
+    "parse_value", "resolve",
+]

@@ -1,0 +1,212 @@
+"""The federation as the engine sees it, and the two entry points that make it.
+
+:func:`resolve_data_config` validates and completes the ``data`` section before any work;
+:func:`load_federated` loads the source, takes the partition from the cache (or makes and caches
+it) and builds every client's train/val/test tensors, transforms applied, on the requested device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..config import DataConfig
+from ..schema import ConfigError
+from .cache import cache_path, load_partition, partition_key, save_partition
+from .partition import CLUSTERED_KINDS, Partition, make_partition
+from .sources import REGRESSION, SourceData, list_sources, params_dict, source_spec
+from .transforms import rotate_samples, rotation_degrees, swap_labels
+
+log = logging.getLogger(__name__)
+
+POOLED_KINDS = ("iid", "dirichlet", "shards", "label_swap", "rotation")
+
+
+@dataclass
+class ClientData:
+    """One client's splits as tensors on the run's device (x float32; y int64, or float32 targets)."""
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_val: torch.Tensor
+    y_val: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    cluster: int | None = None  # true cluster id when the partition has one
+
+    @property
+    def n_train(self) -> int:
+        return int(self.y_train.shape[0])
+
+    @property
+    def n_val(self) -> int:
+        return int(self.y_val.shape[0])
+
+    @property
+    def n_test(self) -> int:
+        return int(self.y_test.shape[0])
+
+    def to(self, device: str | torch.device) -> "ClientData":
+        moved = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+                 if isinstance(getattr(self, f.name), torch.Tensor)}
+        return dataclasses.replace(self, **moved)
+
+
+@dataclass
+class FederatedData:
+    clients: list[ClientData]
+    num_classes: int                  # 0 for regression
+    input_shape: tuple[int, ...]      # per-sample shape, e.g. (64,), (1, 28, 28), (3, 32, 32), (60,)
+    task: str                         # "classification" or "regression"
+    source: str
+    true_clusters: np.ndarray | None  # (num_clients,) int, or None
+    partition_hash: str               # the cache key
+    partition_kind: str = ""
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.clients)
+
+    def to(self, device: str | torch.device) -> "FederatedData":
+        return dataclasses.replace(self, clients=[c.to(device) for c in self.clients])
+
+    def summary(self) -> dict:
+        """Sizes and label statistics, plain Python values (for logs, MLflow params, ``pfl datasets``)."""
+        def stats(values: list[int]) -> dict:
+            arr = np.asarray(values)
+            return {"min": int(arr.min()), "median": float(np.median(arr)), "max": int(arr.max()),
+                    "total": int(arr.sum())}
+
+        out: dict = {
+            "source": self.source, "task": self.task, "partition": self.partition_kind,
+            "num_clients": self.num_clients, "input_shape": list(self.input_shape),
+            "num_classes": self.num_classes, "partition_hash": self.partition_hash,
+            "samples": {split: stats([int(getattr(c, f"y_{split}").shape[0]) for c in self.clients])
+                        for split in ("train", "val", "test")},
+            "true_clusters": None if self.true_clusters is None else self.true_clusters.tolist(),
+            "num_true_clusters": None if self.true_clusters is None else int(len(np.unique(self.true_clusters))),
+        }
+        if self.task == "classification" and self.clients:
+            counts = []
+            for c in self.clients:
+                y = torch.cat([c.y_train, c.y_val, c.y_test]).cpu()
+                counts.append(torch.bincount(y, minlength=self.num_classes).tolist())
+            out["label_counts"] = counts
+            present = [sum(1 for v in row if v > 0) for row in counts]
+            out["classes_per_client"] = {"min": min(present), "median": float(np.median(present)),
+                                         "max": max(present)}
+        return out
+
+
+def _allowed_kinds(per_client: bool) -> str:
+    return "auto, natural" if per_client else "auto, " + ", ".join(POOLED_KINDS)
+
+
+def resolve_data_config(cfg: DataConfig) -> None:
+    """Validate ``cfg`` and complete it in place (``params`` with defaults, ``partition.kind``)."""
+    spec = source_spec(cfg.source)
+    params = spec.parse(cfg.params)
+    cfg.params = params_dict(spec, params)
+    part = cfg.partition
+    if part.kind == "auto":
+        part.kind = "natural" if spec.per_client else "dirichlet"
+    if spec.per_client and part.kind != "natural":
+        raise ConfigError("data.partition.kind",
+                          f"{part.kind!r} splits a sample pool, but {cfg.source} generates each client's data "
+                          f"itself; allowed kinds for {cfg.source}: {_allowed_kinds(True)}")
+    if not spec.per_client and part.kind == "natural":
+        per_client = ", ".join(s.name for s in list_sources() if s.per_client)
+        raise ConfigError("data.partition.kind",
+                          f"'natural' needs a source with its own devices ({per_client}); allowed kinds for "
+                          f"{cfg.source}: {_allowed_kinds(False)}")
+    _, num_classes = spec.shape(params)
+    if spec.per_client:
+        k = getattr(params, "num_clusters", None)
+        if k is not None and k > cfg.num_clients:
+            raise ConfigError("data.params.num_clusters",
+                              f"{k} clusters need at least {k} clients (data.num_clients = {cfg.num_clients})")
+        if cfg.max_samples is not None:
+            raise ConfigError("data.max_samples", f"{cfg.source} generates its data; shrink it with "
+                                                  f"data.params.size_scale instead (set data.max_samples: null)")
+    else:
+        _check_pooled_kind(cfg, spec.image, num_classes)
+    spec.check(params)
+
+
+def _check_pooled_kind(cfg: DataConfig, image: bool, num_classes: int) -> None:
+    part = cfg.partition
+    if part.kind == "dirichlet" and part.alpha <= 0:
+        raise ConfigError("data.partition.alpha", "must be > 0 for the dirichlet partition "
+                                                  "(use kind: iid for an iid split)")
+    if part.kind == "shards" and part.classes_per_client > num_classes:
+        raise ConfigError("data.partition.classes_per_client",
+                          f"{part.classes_per_client} is more than the {num_classes} classes of {cfg.source}; "
+                          f"allowed range [1, {num_classes}]")
+    if part.kind in CLUSTERED_KINDS and part.num_clusters > cfg.num_clients:
+        raise ConfigError("data.partition.num_clusters",
+                          f"{part.num_clusters} clusters need at least as many clients "
+                          f"(data.num_clients = {cfg.num_clients})")
+    if part.kind == "label_swap" and 2 * part.num_clusters > num_classes:
+        raise ConfigError("data.partition.num_clusters",
+                          f"label_swap gives cluster k the labels k and C-2-k exchanged, which are K distinct "
+                          f"swaps only when num_classes >= 2*num_clusters; {cfg.source} has C = {num_classes}, "
+                          f"so num_clusters must be <= {num_classes // 2}")
+    if part.kind == "rotation" and not image:
+        raise ConfigError("data.partition.kind", f"rotation needs image samples; {cfg.source} has none")
+    if cfg.max_samples is not None and cfg.max_samples < cfg.num_clients * part.min_samples:
+        raise ConfigError("data.max_samples",
+                          f"{cfg.max_samples} samples cannot give each of {cfg.num_clients} clients "
+                          f"partition.min_samples = {part.min_samples}; need at least "
+                          f"{cfg.num_clients * part.min_samples}")
+
+
+def _client(src: SourceData, part: Partition, i: int, kind: str, num_clusters: int) -> ClientData:
+    tensors = {}
+    for split in ("train", "val", "test"):
+        idx = getattr(part, split)[i]
+        x = torch.from_numpy(src.featurize(src.x[idx]))
+        y = src.y[idx]
+        t = -1 if part.transforms is None else int(part.transforms[i])
+        if t >= 0 and kind == "label_swap":
+            y = swap_labels(y, t, src.num_classes)
+        if t >= 0 and kind == "rotation":
+            x = rotate_samples(x, rotation_degrees(t, num_clusters), src.image_shape)
+        dtype = np.float32 if src.task == REGRESSION else np.int64
+        tensors[f"x_{split}"] = x
+        tensors[f"y_{split}"] = torch.from_numpy(np.ascontiguousarray(y, dtype=dtype))
+    cluster = None if part.clusters is None else int(part.clusters[i])
+    return ClientData(cluster=cluster, **tensors)
+
+
+def load_federated(cfg: DataConfig, seed: int, device: str | torch.device = "cpu") -> FederatedData:
+    """The federation described by ``cfg`` under experiment ``seed``, with tensors on ``device``."""
+    resolve_data_config(cfg)
+    spec = source_spec(cfg.source)
+    start = time.perf_counter()
+    src = spec.load(cfg.params, cfg.num_clients)
+    key = partition_key(cfg, seed)
+    part = None
+    path = cache_path(key)
+    if cfg.cache:
+        part = load_partition(path, len(src.y), cfg.num_clients)
+        if part is not None:
+            log.debug("partition %s read from %s", key[:12], path)
+    if part is None:
+        part = make_partition(cfg, src, seed)
+        if cfg.cache:
+            try:
+                save_partition(path, part, len(src.y), cfg, seed)
+            except OSError as err:  # a read-only cache directory must not stop the run
+                log.warning("could not write partition cache %s: %s", path, err)
+    clients = [_client(src, part, i, cfg.partition.kind, cfg.partition.num_clusters).to(device)
+               for i in range(part.num_clients)]
+    data = FederatedData(clients=clients, num_classes=src.num_classes, input_shape=tuple(src.input_shape),
+                         task=src.task, source=cfg.source, true_clusters=part.clusters, partition_hash=key,
+                         partition_kind=cfg.partition.kind)
+    log.info("data %s/%s: %d clients, %d training samples (%.2fs)", cfg.source, cfg.partition.kind,
+             len(clients), sum(c.n_train for c in clients), time.perf_counter() - start)
+    return data

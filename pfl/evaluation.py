@@ -1,0 +1,118 @@
+"""Personalized evaluation (every client's model on its own splits) and clustering metrics.
+
+Metric names (stable, logged to MLflow with ``step=round``):
+
+* ``val/acc_mean``, ``val/loss_mean`` — personalized models on each client's validation split;
+* ``test/acc_mean``, ``test/acc_std``, ``test/acc_p10``, ``test/acc_worst``, ``test/acc_weighted``
+  (sample-weighted), ``test/loss_mean``; regression reports ``*/rmse_mean`` instead of accuracy;
+* ``global/test_acc``, ``global/test_loss``, ``global/val_acc`` — the global model (when the method
+  has one) on every client's split, averaged over clients;
+* ``cluster/num``, ``cluster/ari`` — for clustering methods (see :func:`cluster_metrics`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+import torch
+
+from .training import evaluate
+
+if TYPE_CHECKING:
+    from .methods import ClientHandle, Method
+
+
+@dataclass
+class EvalOutput:
+    metrics: dict[str, float]
+    table: list[dict[str, float]]  # one row per client
+
+
+def _summary(prefix: str, values: np.ndarray, weights: np.ndarray | None = None,
+             full: bool = False) -> dict[str, float]:
+    values = values[np.isfinite(values)] if values.size else values
+    if values.size == 0:
+        return {}
+    out = {f"{prefix}_mean": float(values.mean())}
+    if full:
+        out[f"{prefix}_std"] = float(values.std())
+        out[f"{prefix}_p10"] = float(np.percentile(values, 10))
+        out[f"{prefix}_worst"] = float(values.min())
+    return out
+
+
+def evaluate_clients(method: "Method", clients: Sequence["ClientHandle"], task: str,
+                     eval_global: bool = True) -> EvalOutput:
+    """Evaluate each client's personalized model (and the global model) on its val/test splits."""
+    glob = method.global_params() if eval_global else None
+    rows = []
+    for client in clients:
+        params = method.personal_params(client)
+        fwd = method.eval_forward(client)
+        d = client.data
+        val = evaluate(client.model, params, d.x_val, d.y_val, task, forward=fwd)
+        test = evaluate(client.model, params, d.x_test, d.y_test, task, forward=fwd)
+        row = {"client": client.cid, "n_train": len(d.y_train), "n_test": test.n,
+               "cluster": -1 if d.cluster is None else int(d.cluster),
+               "val_loss": val.loss, "val_acc": val.acc, "test_loss": test.loss, "test_acc": test.acc}
+        if glob is not None:
+            if params is glob and fwd is None:  # same model: reuse instead of evaluating twice
+                gval, gtest = val, test
+            else:
+                gval = evaluate(client.model, glob, d.x_val, d.y_val, task)
+                gtest = evaluate(client.model, glob, d.x_test, d.y_test, task)
+            row.update(global_val_acc=gval.acc, global_test_acc=gtest.acc,
+                       global_test_loss=gtest.loss, global_val_loss=gval.loss)
+        rows.append(row)
+    col = lambda key: np.array([r[key] for r in rows], dtype=float)  # noqa: E731
+    n_test = col("n_test")
+    metrics: dict[str, float] = {}
+    metrics.update(_summary("val/loss", col("val_loss")))
+    metrics.update(_summary("test/loss", col("test_loss")))
+    if task == "classification":
+        metrics.update(_summary("val/acc", col("val_acc")))
+        metrics.update(_summary("test/acc", col("test_acc"), full=True))
+        if n_test.sum() > 0:
+            metrics["test/acc_weighted"] = float((col("test_acc") * n_test).sum() / n_test.sum())
+        if glob is not None:
+            metrics["global/test_acc"] = float(np.nanmean(col("global_test_acc")))
+            metrics["global/val_acc"] = float(np.nanmean(col("global_val_acc")))
+    else:
+        metrics.update(_summary("val/rmse", np.sqrt(col("val_loss"))))
+        metrics.update(_summary("test/rmse", np.sqrt(col("test_loss")), full=True))
+        if glob is not None:
+            metrics["global/test_rmse"] = float(np.nanmean(np.sqrt(col("global_test_loss"))))
+    if glob is not None:
+        metrics["global/test_loss"] = float(np.nanmean(col("global_test_loss")))
+    return EvalOutput(metrics, rows)
+
+
+# ---- clustering ------------------------------------------------------------------------------
+
+def connected_components(adjacency: np.ndarray | torch.Tensor) -> np.ndarray:
+    """Component labels (0..K-1, in order of first appearance) of an undirected boolean graph."""
+    from scipy.sparse import csr_matrix
+    from scipy.sparse.csgraph import connected_components as cc
+
+    adj = adjacency.cpu().numpy() if isinstance(adjacency, torch.Tensor) else np.asarray(adjacency)
+    _, labels = cc(csr_matrix(adj.astype(bool)), directed=False)
+    return relabel(labels)
+
+
+def relabel(labels: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Labels renumbered 0, 1, ... in order of first appearance (stable, comparable across runs)."""
+    mapping: dict[int, int] = {}
+    return np.array([mapping.setdefault(int(v), len(mapping)) for v in labels], dtype=int)
+
+
+def cluster_metrics(labels: Sequence[int] | np.ndarray, true: Sequence[int] | np.ndarray | None) -> dict[str, float]:
+    """``cluster/num`` and, when true ids are known, ``cluster/ari`` (adjusted Rand index)."""
+    from sklearn.metrics import adjusted_rand_score
+
+    labels = np.asarray(labels)
+    out = {"cluster/num": float(len(np.unique(labels)))}
+    if true is not None:
+        out["cluster/ari"] = float(adjusted_rand_score(np.asarray(true), labels))
+    return out

@@ -1,0 +1,112 @@
+"""FedAvg and the methods that are FedAvg with one hook changed: FedProx, FedAvg-FT.
+
+FedAvg (McMahan et al. 2017): sampled clients train from the global model; the server moves the
+global model by ``server_lr`` towards the (sample-weighted) average of the returned models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..aggregation import weighted_average
+from ..federation.messages import Message
+from ..schema import hp
+from ..training import Params
+from . import register
+from .base import ClientHandle, Method
+
+
+@dataclass
+class FedAvgHparams:
+    """FedAvg's server step."""
+    server_lr: float = hp(1.0, "server step size η_g (1 = plain weighted average)", low=0.0, low_open=True)
+    weighting: str = hp("samples", "average weights: by client training-set size or uniform",
+                        choices=("samples", "uniform"))
+
+
+@register
+class FedAvg(Method):
+    name = "fedavg"
+    Hparams = FedAvgHparams
+    description = "Federated averaging (McMahan et al. 2017)"
+    server_attrs = ("global_model",)
+
+    def setup(self) -> None:
+        self.global_model: Params = self.ctx.init_params()
+
+    def broadcast(self, rnd: int, cid: int) -> Message:
+        return Message.of(self.global_model)
+
+    def start_params(self, client: ClientHandle, received: Params) -> Params:
+        """Where local training starts (FedALA's adaptive local aggregation overrides this)."""
+        return received
+
+    def train_kwargs(self, client: ClientHandle, received: Params) -> dict[str, Any]:
+        """Extra arguments of the local-SGD loop (FedProx adds its proximal gradient)."""
+        return {}
+
+    def local_update(self, rnd: int, client: ClientHandle, msg: Message | None) -> Message:
+        received = msg.tensors()
+        result = client.train(self.start_params(client, received), rnd, **self.train_kwargs(client, received))
+        return Message.of(result.params, train_loss=result.mean_loss, n=client.n_train)
+
+    def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
+        if not replies:
+            return
+        models = [r.tensors() for r in replies.values()]
+        weights = ([r.info["n"] for r in replies.values()] if self.hp.weighting == "samples" else None)
+        avg = weighted_average(models, weights)
+        if self.hp.server_lr == 1.0:
+            self.global_model = avg
+        else:
+            eta = self.hp.server_lr
+            self.global_model = {k: g + eta * (avg[k] - g) for k, g in self.global_model.items()}
+
+    def global_params(self) -> Params:
+        return self.global_model
+
+
+@dataclass
+class FedProxHparams(FedAvgHparams):
+    """FedProx: FedAvg with a proximal term (μ/2)‖w − θ^t‖² in every client's objective."""
+    mu: float = hp(0.01, "proximal weight μ (0 reproduces FedAvg exactly)", low=0.0)
+
+
+@register
+class FedProx(FedAvg):
+    name = "fedprox"
+    Hparams = FedProxHparams
+    description = "FedAvg with a proximal term (Li et al. 2020)"
+
+    def train_kwargs(self, client: ClientHandle, received: Params) -> dict[str, Any]:
+        mu = self.hp.mu
+        if mu == 0:
+            return {}
+
+        def proximal_gradient(grads: Params, params: Params) -> Params:
+            return {k: g + mu * (params[k] - received[k]) for k, g in grads.items()}
+
+        return {"grad_hook": proximal_gradient}
+
+
+@dataclass
+class FedAvgFTHparams(FedAvgHparams):
+    """FedAvg whose global model each client fine-tunes on its own data before evaluation."""
+    ft_epochs: int = hp(1, "local fine-tuning epochs before evaluation", low=1)
+
+
+@register
+class FedAvgFT(FedAvg):
+    name = "fedavg_ft"
+    Hparams = FedAvgFTHparams
+    description = "FedAvg + local fine-tuning before evaluation"
+
+    def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
+        super().aggregate(rnd, replies)
+        self.last_round = rnd
+
+    def personal_params(self, client: ClientHandle) -> Params:
+        rnd = getattr(self, "last_round", 0)
+        return client.train(self.global_model, rnd, epochs=self.hp.ft_epochs, steps=None,
+                            tag="finetune").params

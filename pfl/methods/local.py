@@ -1,0 +1,30 @@
+"""Local: every client trains only its own model; nothing is ever sent."""
+
+from __future__ import annotations
+
+from ..federation.messages import Message
+from ..training import Params
+from . import register
+from .base import ClientHandle, Method
+
+
+@register
+class Local(Method):
+    name = "local"
+    description = "Local training only (no communication)"
+
+    def setup(self) -> None:
+        self.init = self.ctx.init_params()
+
+    def init_client(self, client: ClientHandle) -> None:
+        # the same start as the federated methods, so the comparison is about collaboration only
+        client.state["params"] = {k: v.clone() for k, v in self.init.items()}
+
+    def local_update(self, rnd: int, client: ClientHandle, msg: Message | None) -> None:
+        result = client.train(client.state["params"], rnd)
+        client.state["params"] = result.params
+        client.state["train_loss"] = result.mean_loss
+        return None
+
+    def personal_params(self, client: ClientHandle) -> Params:
+        return client.state["params"]

@@ -1,0 +1,174 @@
+"""The model zoo: a registry of named models, their parameter dataclasses, and their layer groups.
+
+Conventions every model follows (the engine relies on them):
+
+- a plain ``nn.Module`` with no buffers (GroupNorm, never BatchNorm), so a client's whole state is
+  its ``named_parameters()`` and one module object can be shared by all clients through
+  ``torch.func.functional_call``;
+- ``forward`` takes a batch (leading batch dimension) and returns logits, or an (N,) prediction
+  for regression;
+- ``layer_units()`` lists the units (a layer or residual block) bottom → top by parameter name;
+  the last unit is the head (the final linear classifier). :func:`layer_groups` derives body,
+  head, matrices and the top-p selection from it.
+
+``input_shape`` is one sample's shape: (d,) for vectors, (C, H, W) for images; image models also
+accept a flat (d,) with d a perfect square (read as 1×√d×√d).
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from torch import nn
+
+from ..schema import ConfigError, describe, from_dict, to_dict
+from .functional import flatten_params, init_params, num_params, params_of, unflatten_params
+from .groups import LayerGroups, layer_groups
+from .resnet import ResNet18GNParams, build_resnet18_gn
+from .vgg import VGGParams, build_vgg11, build_vgg13
+from .zoo import (CNNFedAvgParams, CNNFPFCParams, LinearRegressionParams, MLPParams,
+                  SoftmaxRegressionParams, build_cnn_fedavg, build_cnn_fpfc, build_linear_regression,
+                  build_mlp, build_softmax_regression)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A registered model: its name, a one-line description, its params dataclass and its builder.
+
+    ``build(params, input_shape, num_classes)`` receives a validated instance of ``params``.
+    ``inputs`` says which sample shapes it accepts (for the CLI listing).
+    """
+    name: str
+    description: str
+    params: type
+    build: Callable[[Any, tuple[int, ...], int], nn.Module]
+    inputs: str
+
+
+_VECTOR = "any shape (flattened to d features)"
+_IMAGE = "images (C, H, W), or flat (d,) with d a perfect square"
+
+_REGISTRY: dict[str, ModelSpec] = {}
+
+
+def register(spec: ModelSpec) -> ModelSpec:
+    if spec.name in _REGISTRY:
+        raise ValueError(f"model {spec.name!r} is already registered")
+    _REGISTRY[spec.name] = spec
+    return spec
+
+
+for _spec in (
+    ModelSpec("softmax_regression", "multinomial logistic regression: one Linear d→C with bias "
+              "(FPFC synthetic, 610 params at d=60, C=10)", SoftmaxRegressionParams,
+              build_softmax_regression, _VECTOR),
+    ModelSpec("linear_regression", "least-squares linear model: Linear d→1 with bias, (N,) output "
+              "(FPFC regression)", LinearRegressionParams, build_linear_regression, _VECTOR),
+    ModelSpec("mlp", "fully connected ReLU network, hidden widths configurable", MLPParams,
+              build_mlp, _VECTOR),
+    ModelSpec("cnn_fpfc", "FPFC's MNIST ConvNet: conv 6, conv 16 (5×5), linear head on 400 features "
+              "(2,572 body + 4,010 head on 1×28×28)", CNNFPFCParams, build_cnn_fpfc, _IMAGE),
+    ModelSpec("cnn_fedavg", "FedALA's 4-layer CNN (FedAvgCNN): conv 32, conv 64 (5×5), fc 512, head "
+              "(582,026 params on 1×28×28, 878,538 on 3×32×32)", CNNFedAvgParams, build_cnn_fedavg, _IMAGE),
+    ModelSpec("resnet18_gn", "FedSLR's CIFAR ResNet-18 with GroupNorm(2), bias-free head "
+              "(11,173,952 params at C=10, 11,220,032 at C=100)", ResNet18GNParams, build_resnet18_gn, _IMAGE),
+    ModelSpec("vgg11", "CIFAR VGG-11 with GroupNorm, one linear head (9,231,114 params at C=10)",
+              VGGParams, build_vgg11, _IMAGE),
+    ModelSpec("vgg13", "CIFAR VGG-13 with GroupNorm, one linear head (9,416,010 params at C=10)",
+              VGGParams, build_vgg13, _IMAGE),
+):
+    register(_spec)
+
+_DATA_PACKAGE = __name__.rsplit(".", 1)[0] + ".data"
+# Used by resolve_model_config only while pfl.data (which owns each source's default) is absent.
+_FALLBACK_DEFAULTS = {
+    "digits": "mlp",
+    "fmnist": "cnn_fedavg",
+    "mnist": "cnn_fpfc",
+    "cifar10": "cnn_fedavg",
+    "cifar100": "cnn_fedavg",
+    "fpfc_synthetic": "softmax_regression",
+    "fpfc_linear": "linear_regression",
+}
+
+
+def list_models() -> list[ModelSpec]:
+    """Every registered model, in registration order."""
+    return list(_REGISTRY.values())
+
+
+def model_spec(name: str) -> ModelSpec:
+    """The spec of model ``name``, or a ConfigError on ``model.name`` listing the allowed names."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        close = difflib.get_close_matches(str(name), list(_REGISTRY), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError("model.name", f"unknown model {name!r}{hint}; allowed: "
+                                        f"{', '.join(_REGISTRY)}") from None
+
+
+def _params_instance(spec: ModelSpec, params: Any) -> Any:
+    if isinstance(params, spec.params):
+        return params
+    if params is not None and not isinstance(params, dict):
+        raise ConfigError("model.params", f"expected a mapping of {spec.name}'s parameters, got {params!r}")
+    return from_dict(spec.params, params or {}, "model.params")
+
+
+def build_model(name: str, params: dict | Any | None, input_shape: Sequence[int], num_classes: int) -> nn.Module:
+    """Instantiate model ``name`` for samples of ``input_shape`` and ``num_classes`` outputs.
+
+    ``params`` is a dict (validated against the model's params dataclass; missing keys take their
+    defaults) or an instance of that dataclass. Parameters get PyTorch's default initialisation from
+    the global RNG; use :func:`init_params` with a seeded generator for reproducible runs.
+    Errors that come from the configuration are ConfigErrors naming ``model.name`` or
+    ``model.params.<key>``.
+    """
+    spec = model_spec(name)
+    if int(num_classes) < 1:
+        raise ValueError(f"num_classes must be >= 1, got {num_classes}")
+    return spec.build(_params_instance(spec, params), tuple(int(s) for s in input_shape), int(num_classes))
+
+
+def default_model(source: str) -> str:
+    """The model ``model.name: auto`` stands for with data source ``source``."""
+    try:
+        from ..data import source_spec
+    except ImportError as err:
+        # Only a missing pfl.data (or a pfl.data without source_spec) selects the local table; a
+        # broken import inside pfl.data must still surface.
+        if err.name != _DATA_PACKAGE:
+            raise
+        source_spec = None
+    name = getattr(source_spec(source), "default_model", None) if source_spec else _FALLBACK_DEFAULTS.get(source)
+    if not name:
+        raise ConfigError("model.name", f"'auto' has no default model for data source {source!r}; "
+                                        f"set one of: {', '.join(_REGISTRY)}")
+    return name
+
+
+def resolve_model_config(cfg: Any) -> None:
+    """Resolve ``cfg.model`` (a :class:`pfl.config.ExperimentConfig`) in place.
+
+    ``auto`` becomes the data source's default model; the name is checked against the registry and
+    ``cfg.model.params`` is replaced by the complete, validated parameter dict (defaults filled in).
+    """
+    if cfg.model.name == "auto":
+        cfg.model.name = default_model(cfg.data.source)
+    spec = model_spec(cfg.model.name)
+    cfg.model.params = to_dict(_params_instance(spec, cfg.model.params))
+
+
+def params_doc(name: str) -> list[tuple[str, str, Any, str]]:
+    """(field, type, default, doc) rows of model ``name``'s parameters (for the CLI listing)."""
+    return describe(model_spec(name).params)
+
+
+__all__ = [
+    "LayerGroups", "ModelSpec", "build_model", "default_model", "flatten_params", "init_params",
+    "layer_groups", "list_models", "model_spec", "num_params", "params_doc", "params_of", "register",
+    "resolve_model_config", "unflatten_params",
+]

@@ -1,0 +1,205 @@
+"""MLflow tracking: where the store is, and one run's params, metrics and artifacts.
+
+Settings come from ``mlflow.yaml`` (``$PFL_MLFLOW_CONFIG``, else ``./mlflow.yaml``, else the one
+next to the package). The default store is an SQLite file in the working directory (MLflow 3
+refuses the plain file store by default); ``MLFLOW_TRACKING_URI`` overrides it. Relative paths are
+turned into absolute URIs here, in the driver, because Ray workers run in other directories.
+
+A :class:`Tracker` wraps one MLflow run through ``MlflowClient`` with an explicit run id, so that
+nested runs (a pipeline's parent, its trials as children) and resumed runs (a restored Ray
+trial continues the run id kept in its checkpoint) never depend on MLflow's global active run.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+log = logging.getLogger(__name__)
+
+DEFAULTS: dict[str, Any] = {
+    "tracking_uri": "sqlite:///mlflow.db",
+    "artifact_root": "mlartifacts",
+    "experiment": "pfl",
+    "sweep_experiment": "pfl-sweeps",
+    "log": {"per_round_metrics": True, "client_table": True, "plots": True, "model": True},
+}
+
+PARAM_MAX_LEN = 6000  # MLflow's limit on a param value
+
+
+def settings_path() -> Path | None:
+    env = os.environ.get("PFL_MLFLOW_CONFIG")
+    candidates = [Path(env)] if env else []
+    candidates += [Path.cwd() / "mlflow.yaml", Path(__file__).resolve().parents[1] / "mlflow.yaml"]
+    for path in candidates:
+        if path.is_file():
+            return path
+    return None
+
+
+def load_settings() -> dict[str, Any]:
+    settings = {k: (dict(v) if isinstance(v, dict) else v) for k, v in DEFAULTS.items()}
+    path = settings_path()
+    if path is not None:
+        loaded = yaml.safe_load(path.read_text()) or {}
+        unknown = set(loaded) - set(DEFAULTS)
+        if unknown:
+            raise ValueError(f"{path}: unknown keys {sorted(unknown)}; allowed: {sorted(DEFAULTS)}")
+        for key, value in loaded.items():
+            if isinstance(value, dict):
+                settings[key].update(value)
+            else:
+                settings[key] = value
+    return settings
+
+
+def _absolute_sqlite(uri: str) -> str:
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
+        return prefix + str((Path.cwd() / uri[len(prefix):]).resolve())
+    return uri
+
+
+def tracking_uri(settings: Mapping[str, Any] | None = None) -> str:
+    """The absolute tracking URI (environment first, then mlflow.yaml)."""
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    if env:
+        return _absolute_sqlite(env)
+    settings = settings or load_settings()
+    uri = str(settings["tracking_uri"])
+    if "://" not in uri:  # a bare path means an SQLite file
+        uri = "sqlite:///" + uri
+    return _absolute_sqlite(uri)
+
+
+def artifact_root(settings: Mapping[str, Any] | None = None) -> str:
+    settings = settings or load_settings()
+    root = os.environ.get("PFL_ARTIFACT_ROOT") or str(settings["artifact_root"])
+    if "://" in root:
+        return root
+    uri = tracking_uri(settings)
+    # keep artifacts beside the database when the store is an sqlite file given by the environment
+    if os.environ.get("MLFLOW_TRACKING_URI") and uri.startswith("sqlite:///"):
+        base = Path(uri[len("sqlite:///"):]).parent
+    else:
+        base = Path.cwd()
+    return (base / root).resolve().as_uri()
+
+
+def export_environment() -> dict[str, str]:
+    """Environment a worker process needs to reach the same store (absolute paths)."""
+    settings = load_settings()
+    env = {"MLFLOW_TRACKING_URI": tracking_uri(settings), "PFL_ARTIFACT_ROOT": artifact_root(settings)}
+    path = settings_path()
+    if path is not None:
+        env["PFL_MLFLOW_CONFIG"] = str(path.resolve())
+    return env
+
+
+def client():
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=tracking_uri())
+
+
+def experiment_id(name: str | None = None, sweep: bool = False) -> str:
+    """Id of the named experiment (mlflow.yaml's default), created with an absolute artifact root."""
+    settings = load_settings()
+    name = name or settings["sweep_experiment" if sweep else "experiment"]
+    mc = client()
+    exp = mc.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    location = artifact_root(settings).rstrip("/") + "/" + name
+    try:
+        return mc.create_experiment(name, artifact_location=location)
+    except Exception:  # created concurrently by another process
+        exp = mc.get_experiment_by_name(name)
+        if exp is None:
+            raise
+        return exp.experiment_id
+
+
+class Tracker:
+    """One MLflow run, addressed by id. ``Tracker.disabled()`` logs nothing (benchmarks)."""
+
+    def __init__(self, run_id: str | None, enabled: bool = True):
+        self.run_id = run_id
+        self.enabled = enabled and run_id is not None
+        self._client = client() if self.enabled else None
+        self._logged_params: set[str] = set()
+
+    # ---- construction -------------------------------------------------------------------------
+    @classmethod
+    def start(cls, experiment: str | None = None, run_name: str | None = None,
+              parent_run_id: str | None = None, tags: Mapping[str, str] | None = None,
+              sweep: bool = False) -> "Tracker":
+        exp_id = experiment_id(experiment, sweep=sweep)
+        all_tags = dict(tags or {})
+        if parent_run_id:
+            all_tags["mlflow.parentRunId"] = parent_run_id
+        run = client().create_run(exp_id, run_name=run_name, tags=all_tags)
+        return cls(run.info.run_id)
+
+    @classmethod
+    def resume(cls, run_id: str) -> "Tracker":
+        tracker = cls(run_id)
+        tracker._client.update_run(run_id, status="RUNNING")
+        tracker._logged_params = set(tracker._client.get_run(run_id).data.params)
+        return tracker
+
+    @classmethod
+    def disabled(cls) -> "Tracker":
+        return cls(None, enabled=False)
+
+    # ---- logging ------------------------------------------------------------------------------
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        if not self.enabled:
+            return
+        from mlflow.entities import Param
+
+        items = [Param(k, str(v)[:PARAM_MAX_LEN]) for k, v in params.items() if k not in self._logged_params]
+        for start in range(0, len(items), 100):
+            self._client.log_batch(self.run_id, params=items[start:start + 100])
+        self._logged_params.update(p.key for p in items)
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        if not self.enabled:
+            return
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        items = [Metric(k, float(v), now, step or 0) for k, v in metrics.items()
+                 if isinstance(v, (int, float)) and math.isfinite(float(v))]
+        for start in range(0, len(items), 500):
+            self._client.log_batch(self.run_id, metrics=items[start:start + 500])
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        if not self.enabled:
+            return
+        for key, value in tags.items():
+            self._client.set_tag(self.run_id, key, str(value))
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        if self.enabled:
+            self._client.log_artifact(self.run_id, str(path), artifact_path)
+
+    def log_text(self, text: str, name: str) -> None:
+        if not self.enabled:
+            return
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / name
+            path.write_text(text)
+            self.log_artifact(path)
+
+    def end(self, status: str = "FINISHED") -> None:
+        if self.enabled:
+            self._client.set_terminated(self.run_id, status=status)

@@ -1,0 +1,158 @@
+"""The one local-SGD loop every method trains with, and the one evaluation routine.
+
+Parameters are plain ``{name: tensor}`` dicts and the model object is only a function
+(``torch.func.functional_call``), so one module serves every client and a client's state is its
+tensors. Variants are configured through hooks, never by copying the loop:
+
+* ``extra_loss(params)``: a term added to the batch loss (FedProx's proximal term, distillation);
+* ``grad_hook(grads, params)``: edits gradients before the step (SCAFFOLD's control variates,
+  FPFC's augmented-Lagrangian pull, FedDyn's linear term) — cheaper than autograd through a term;
+* ``post_step(params)``: runs after every step under ``no_grad`` (proximal maps: L1 prox-SGD);
+* ``forward(params, x)``: a custom forward (FedSLR's w + P, mixed models);
+* ``trainable``: which names get gradients (FedRep's head-then-body epochs, frozen GKR).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call
+
+Params = dict[str, torch.Tensor]
+
+
+def loss_fn(task: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    if task == "classification":
+        return F.cross_entropy
+    if task == "regression":
+        return lambda pred, y: F.mse_loss(pred.reshape(y.shape), y)
+    raise ValueError(f"unknown task {task!r}; allowed: classification, regression")
+
+
+@dataclass
+class TrainResult:
+    params: Params
+    steps: int
+    mean_loss: float
+
+
+def _batches(n: int, batch_size: int, epochs: int, steps: int | None,
+             generator: torch.Generator | None, device: torch.device) -> Iterable[torch.Tensor | None]:
+    """Index slices of a per-epoch permutation; ``None`` means the whole set (full batch)."""
+    if n == 0:
+        return
+    full = batch_size <= 0 or batch_size >= n
+    if full:
+        count = steps if steps is not None else epochs
+        for _ in range(count):
+            yield None
+        return
+    per_epoch = math.ceil(n / batch_size)
+    total = steps if steps is not None else epochs * per_epoch
+    done = 0
+    while done < total:
+        perm = torch.randperm(n, generator=generator).to(device)
+        for start in range(0, n, batch_size):
+            if done >= total:
+                return
+            yield perm[start:start + batch_size]
+            done += 1
+
+
+def local_sgd(
+    model: torch.nn.Module,
+    params: Mapping[str, torch.Tensor],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    lr: float,
+    epochs: int = 1,
+    steps: int | None = None,
+    batch_size: int = 32,
+    task: str = "classification",
+    generator: torch.Generator | None = None,
+    momentum: float = 0.0,
+    weight_decay: float = 0.0,
+    trainable: Iterable[str] | None = None,
+    extra_loss: Callable[[Params], torch.Tensor] | None = None,
+    grad_hook: Callable[[Params, Params], Params] | None = None,
+    post_step: Callable[[Params], None] | None = None,
+    forward: Callable[[Params, torch.Tensor], torch.Tensor] | None = None,
+) -> TrainResult:
+    """Minibatch SGD on ``mean loss + extra_loss`` from ``params``; returns new tensors.
+
+    The input dict is not modified. Untrainable entries are carried over unchanged. With
+    ``batch_size <= 0`` every step is a full-batch gradient step (FPFC's synthetic setting).
+    """
+    names = list(params)
+    train_names = list(names if trainable is None else [n for n in names if n in set(trainable)])
+    state: Params = {k: v.detach().clone() for k, v in params.items()}
+    for k in train_names:
+        state[k].requires_grad_(True)
+    criterion = loss_fn(task)
+    fwd = forward or (lambda p, xb: functional_call(model, p, (xb,)))
+    velocity: Params = {}
+    total_loss, count = 0.0, 0
+    for idx in _batches(len(y), batch_size, epochs, steps, generator, x.device):
+        xb, yb = (x, y) if idx is None else (x[idx], y[idx])
+        loss = criterion(fwd(state, xb), yb)
+        total_loss += float(loss.detach())
+        if extra_loss is not None:
+            loss = loss + extra_loss(state)
+        grads_list = torch.autograd.grad(loss, [state[k] for k in train_names], allow_unused=True)
+        grads = {k: (g if g is not None else torch.zeros_like(state[k]))
+                 for k, g in zip(train_names, grads_list)}
+        if grad_hook is not None:
+            grads = grad_hook(grads, state)
+        with torch.no_grad():
+            for k in train_names:
+                g = grads[k]
+                if weight_decay:
+                    g = g + weight_decay * state[k]
+                if momentum:
+                    buf = velocity.get(k)
+                    buf = g.clone() if buf is None else buf.mul_(momentum).add_(g)
+                    velocity[k] = buf
+                    g = buf
+                state[k].sub_(lr * g)
+            if post_step is not None:
+                post_step(state)
+        count += 1
+    out = {k: v.detach() for k, v in state.items()}
+    return TrainResult(out, count, total_loss / max(count, 1))
+
+
+@dataclass
+class EvalResult:
+    loss: float       # mean loss
+    acc: float        # accuracy (classification) or nan
+    n: int
+
+    @property
+    def rmse(self) -> float:
+        return math.sqrt(self.loss)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, params: Mapping[str, torch.Tensor], x: torch.Tensor,
+             y: torch.Tensor, task: str = "classification", batch_size: int = 4096,
+             forward: Callable[[Params, torch.Tensor], torch.Tensor] | None = None) -> EvalResult:
+    n = len(y)
+    if n == 0:
+        return EvalResult(float("nan"), float("nan"), 0)
+    fwd = forward or (lambda p, xb: functional_call(model, p, (xb,)))
+    loss_sum, correct = 0.0, 0
+    for start in range(0, n, batch_size):
+        xb, yb = x[start:start + batch_size], y[start:start + batch_size]
+        out = fwd(dict(params), xb)
+        if task == "classification":
+            loss_sum += float(F.cross_entropy(out, yb, reduction="sum"))
+            correct += int((out.argmax(dim=1) == yb).sum())
+        else:
+            loss_sum += float(F.mse_loss(out.reshape(yb.shape), yb, reduction="sum"))
+    acc = correct / n if task == "classification" else float("nan")
+    return EvalResult(loss_sum / n, acc, n)
