@@ -15,7 +15,32 @@ from ..schema import ConfigError, from_dict
 from .base import ClientHandle, Method, NoHparams
 
 _REGISTRY: dict[str, type[Method]] = {}
+#: plugins compose with a base method by name: ``method.name=fedprox+ala`` is FedProx with ALA.
+#: A plugin is a function (base class) -> composed class (with merged Hparams).
+_PLUGINS: dict[str, object] = {}
 _LOADED = False
+
+
+def register_plugin(name: str, compose) -> None:
+    """Register ``compose(base_cls) -> cls`` so that ``<base>+<name>`` is a method name."""
+    _PLUGINS[name] = compose
+
+
+def _compose(name: str) -> type[Method] | None:
+    """Build (and cache) ``base+plugin`` method classes on demand."""
+    if "+" not in name:
+        return None
+    base_name, _, plugin = name.partition("+")
+    if base_name not in _REGISTRY:
+        raise ConfigError("method.name", f"unknown base method {base_name!r} in {name!r}; "
+                                         f"allowed: {', '.join(sorted(_REGISTRY))}")
+    if plugin not in _PLUGINS:
+        raise ConfigError("method.name", f"unknown plugin {plugin!r} in {name!r}; "
+                                         f"allowed: {', '.join(sorted(_PLUGINS)) or '(none)'}")
+    cls = _PLUGINS[plugin](_REGISTRY[base_name])
+    cls.name = name
+    _REGISTRY[name] = cls
+    return cls
 
 
 def register(cls: type[Method]) -> type[Method]:
@@ -41,6 +66,8 @@ def _load_all() -> None:
 def get_method(name: str) -> type[Method]:
     _load_all()
     if name not in _REGISTRY:
+        _compose(name)
+    if name not in _REGISTRY:
         raise ConfigError("method.name", f"unknown method {name!r}; allowed: {', '.join(sorted(_REGISTRY))}")
     return _REGISTRY[name]
 
@@ -57,6 +84,8 @@ def resolve_method_config(name: object, raw: dict) -> MethodConfig:
 
     _load_all()
     if name not in _REGISTRY:
+        _compose(name)
+    if name not in _REGISTRY:
         close = difflib.get_close_matches(name, list(_REGISTRY), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ConfigError("method.name", f"unknown method {name!r}{hint}; allowed: {', '.join(sorted(_REGISTRY))}")
@@ -65,4 +94,4 @@ def resolve_method_config(name: object, raw: dict) -> MethodConfig:
 
 
 __all__ = ["ClientHandle", "Method", "NoHparams", "get_method", "list_methods", "register",
-           "resolve_method_config"]
+           "register_plugin", "resolve_method_config"]

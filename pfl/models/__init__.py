@@ -128,9 +128,10 @@ def build_model(name: str, params: dict | Any | None, input_shape: Sequence[int]
     ``model.params.<key>``.
     """
     spec = model_spec(name)
-    if int(num_classes) < 1:
-        raise ValueError(f"num_classes must be >= 1, got {num_classes}")
-    return spec.build(_params_instance(spec, params), tuple(int(s) for s in input_shape), int(num_classes))
+    if int(num_classes) < 0:
+        raise ValueError(f"num_classes must be >= 0 (0 = regression, one output), got {num_classes}")
+    outputs = max(1, int(num_classes))
+    return spec.build(_params_instance(spec, params), tuple(int(s) for s in input_shape), outputs)
 
 
 def default_model(source: str) -> str:
