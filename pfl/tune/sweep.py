@@ -56,7 +56,22 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
     address = address or os.environ.get("RAY_ADDRESS")
     kwargs: dict[str, Any] = dict(runtime_env={"env_vars": env}, log_to_driver=False, configure_logging=False)
     if address:
-        ray.init(address=address, **kwargs)
+        try:
+            ray.init(address=address, **kwargs)
+        except Exception as err:
+            # Ray >= 2.59 clusters started with `ray start` require token authentication; a driver
+            # on the head machine finds the token in ~/.ray/auth_token once token mode is on.
+            token_file = Path(os.environ.get("RAY_AUTH_TOKEN_PATH", Path.home() / ".ray" / "auth_token"))
+            if "uthenticat" not in str(err) or os.environ.get("RAY_AUTH_MODE") == "token":
+                raise RuntimeError(f"cannot connect to the Ray cluster at {address}: {err}. With token "
+                                   "authentication set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN (or "
+                                   "RAY_AUTH_TOKEN_PATH) to the cluster's token (`ray get-auth-token`).") from err
+            if not (os.environ.get("RAY_AUTH_TOKEN") or token_file.is_file()):
+                raise
+            log.info("cluster requires token authentication; retrying with RAY_AUTH_MODE=token")
+            os.environ["RAY_AUTH_MODE"] = "token"
+            ray.shutdown()
+            ray.init(address=address, **kwargs)
         return f"cluster at {address}"
     ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, **kwargs)
     return f"local Ray instance ({ray.cluster_resources().get('CPU', 0):.0f} CPUs)"
@@ -67,7 +82,7 @@ def searcher_for(space: SearchSpace):
         from optuna.samplers import TPESampler
         from ray.tune.search.optuna import OptunaSearch
 
-        return OptunaSearch(metric=space.metric, mode=space.mode, sampler=TPESampler(seed=space.seed))
+        return OptunaSearch(sampler=TPESampler(seed=space.seed))
     return None  # random / grid: Tune's basic variant generator
 
 
@@ -76,7 +91,7 @@ def scheduler_for(space: SearchSpace, max_t: int):
         return None
     from ray.tune.schedulers import ASHAScheduler
 
-    return ASHAScheduler(time_attr="training_iteration", metric=space.metric, mode=space.mode,
+    return ASHAScheduler(time_attr="round",
                          max_t=max(max_t, space.scheduler.grace_period), grace_period=space.scheduler.grace_period,
                          reduction_factor=space.scheduler.reduction_factor)
 
@@ -167,13 +182,15 @@ def run_sweep(space: SearchSpace, *, overrides: list[str] | None = None, smoke: 
     where = init_ray(address)
     if progress:
         progress(f"Ray: {where}; experiment {exp_path}")
-    trainable_fn = tune.with_resources(trainable or federated_trainable, {"cpu": res["cpu"], "gpu": res["gpu"]})
+    def bind(setup: dict[str, Any]):
+        fn = tune.with_parameters(trainable or federated_trainable, setup=setup)
+        return tune.with_resources(fn, {"cpu": res["cpu"], "gpu": res["gpu"]})
 
     parent: Tracker
     if resume and tune.Tuner.can_restore(str(exp_path)):
-        state = json.loads(state_path.read_text()) if state_path.is_file() else {}
+        state = json.loads(state_path.read_text())
         parent = Tracker.resume(state["parent_run_id"]) if state.get("parent_run_id") else Tracker.disabled()
-        tuner = tune.Tuner.restore(str(exp_path), trainable=trainable_fn, resume_unfinished=True,
+        tuner = tune.Tuner.restore(str(exp_path), trainable=bind(state["setup"]), resume_unfinished=True,
                                    resume_errored=False, restart_errored=False)
         if progress:
             progress(f"resuming {exp_path} (parent MLflow run {parent.run_id})")
@@ -183,26 +200,25 @@ def run_sweep(space: SearchSpace, *, overrides: list[str] | None = None, smoke: 
         from ..config import resolve
 
         base_cfg = resolve(raw)
-        parent = Tracker.start(base_cfg.tracking.experiment, run_name=name, sweep=True,
-                               tags={"pfl.kind": "sweep", "pfl.space": space.path, **(parent_tags or {})})
+        parent = (Tracker.start(base_cfg.tracking.experiment, run_name=name, sweep=True,
+                                tags={"pfl.kind": "sweep", "pfl.space": space.path, **(parent_tags or {})})
+                  if base_cfg.tracking.enabled else Tracker.disabled())
         parent.log_params({"space": space.path, "metric": space.metric, "mode": space.mode,
                            "num_samples": samples, "searcher": space.searcher, "smoke": smoke,
                            **{f"search.{k}": json.dumps(vars(v)) for k, v in space.distributions.items()},
                            **{f"base.{k}": v for k, v in _flat(raw).items()}})
+        setup = {"base": raw, "parent_run_id": parent.run_id, "env": export_environment(),
+                 "experiment": base_cfg.tracking.experiment, "cpus": res["cpu"],
+                 "checkpoint_every": space.checkpoint_every}
         exp_path.mkdir(parents=True, exist_ok=True)
-        state_path.write_text(json.dumps({"parent_run_id": parent.run_id, "space": space.path}))
-        param_space = {"_base": raw, "_parent_run_id": parent.run_id, "_env": export_environment(),
-                       "_experiment": base_cfg.tracking.experiment, "_cpus": res["cpu"],
-                       "_checkpoint_every": space.checkpoint_every}
-        param_space.update({k: d.to_tune() for k, d in space.distributions.items()})
-        max_concurrent = space.max_concurrent or None
+        state_path.write_text(json.dumps({"parent_run_id": parent.run_id, "space": space.path, "setup": setup}))
         tuner = tune.Tuner(
-            trainable_fn,
-            param_space=param_space,
+            bind(setup),
+            param_space={k: d.to_tune() for k, d in space.distributions.items()},
             tune_config=tune.TuneConfig(
                 metric=space.metric, mode=space.mode, num_samples=samples if space.searcher != "grid" else 1,
                 search_alg=searcher_for(space), scheduler=scheduler_for(space, base_cfg.federation.rounds),
-                max_concurrent_trials=max_concurrent),
+                max_concurrent_trials=space.max_concurrent or None),
             run_config=tune.RunConfig(
                 name=name, storage_path=str(storage), verbose=1 if progress else 0,
                 callbacks=[MlflowStatusCallback()],

@@ -1,0 +1,217 @@
+"""Search spaces, sweeps on a real Ray head node (through RAY_ADDRESS), MLflow lineage, resume.
+
+One Ray head serves the whole test session. Where this machine allows it (root with `ip netns`),
+the head and every driver run in a private network namespace that has only the loopback
+interface, so all of Ray's traffic stays on 127.0.0.1.
+"""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+from pfl.schema import ConfigError
+from pfl.tune.space import base_config, check_space, load_space
+
+ROOT = Path(__file__).resolve().parents[1]
+SPACES = ROOT / "search_spaces"
+
+
+class Cluster:
+    def __init__(self, prefix, address, env):
+        self.prefix, self.address, self.env = prefix, address, env
+
+    def popen(self, args, env_extra, **kwargs):
+        env = dict(self.env, **env_extra)
+        return subprocess.Popen(self.prefix + args, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, **kwargs)
+
+    def run(self, args, env_extra, timeout=600):
+        proc = self.popen(args, env_extra)
+        out, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, out
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    ns = f"pfltest{os.getpid()}"
+    prefix: list[str] = []
+    if os.geteuid() == 0 and shutil.which("ip"):
+        if subprocess.run(["ip", "netns", "add", ns], capture_output=True).returncode == 0:
+            prefix = ["ip", "netns", "exec", ns]
+            subprocess.run(prefix + ["ip", "link", "set", "lo", "up"], check=True)
+    port = 20000 + os.getpid() % 20000
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "MLFLOW_", "PFL_"))}
+    env.update(RAY_AUTH_MODE="token", PYTHONUNBUFFERED="1")
+    ray = shutil.which("ray") or str(Path(sys.executable).parent / "ray")
+    start = subprocess.run(prefix + [ray, "start", "--head", f"--port={port}", "--num-cpus=2",
+                                     "--include-dashboard=false", "--disable-usage-stats"],
+                           env=env, capture_output=True, text=True, timeout=180)
+    assert start.returncode == 0, start.stdout + start.stderr
+    try:
+        yield Cluster(prefix, f"127.0.0.1:{port}" if prefix else f"auto", env)
+    finally:
+        subprocess.run(prefix + [ray, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        if prefix:
+            subprocess.run(["ip", "netns", "delete", ns], capture_output=True)
+
+
+def _store(tmp_path):
+    db = tmp_path / "mlflow.db"
+    return {"MLFLOW_TRACKING_URI": f"sqlite:///{db}", "PFL_CACHE_DIR": str(tmp_path / "cache")}, db
+
+
+def _sweep_args(space, tmp_path, *extra):
+    return [sys.executable, str(ROOT / "pipelines" / "sweep.py"), "--space", str(space),
+            "--storage", str(tmp_path / "ray_results"), *extra]
+
+
+def _runs(uri):
+    mc = MlflowClient(tracking_uri=uri)
+    runs = [r for e in mc.search_experiments() for r in mc.search_runs([e.experiment_id])]
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    return parents, children, mc
+
+
+# ---- search-space validation (no Ray) -----------------------------------------------------------
+
+def _write(tmp_path, body):
+    path = tmp_path / "space.yaml"
+    path.write_text(yaml.safe_dump(body))
+    return path
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"fixed": {"method.name": "fedavg"}, "serch": {}}, "serch"),
+    ({"fixed": {"method.name": "fedavg"}, "search": {"federation.lr": {"type": "gaussian", "low": 0.1, "high": 1}}},
+     "search.federation.lr.type"),
+    ({"fixed": {"method.name": "fedavg"}, "search": {"federation.lr": {"type": "uniform", "low": 1, "high": 0.1}}},
+     "search.federation.lr.low"),
+    ({"fixed": {"method.name": "fedprox"}, "search": {"method.muu": {"type": "choice", "values": [0.1]}}},
+     "search.method.muu"),
+    ({"fixed": {"method.name": "fedavg"}, "search": {"federation.lr": {"type": "loguniform", "low": 0, "high": 1}}},
+     "search.federation.lr.low"),
+    ({"fixed": {"method.name": "fedavgg"}}, "method.name"),
+])
+def test_malformed_space_is_rejected_naming_the_key(tmp_path, body, field):
+    import ray
+
+    path = _write(tmp_path, {"base": {"data.source": "digits"}, **body})
+    with pytest.raises(ConfigError) as info:
+        space = load_space(path)
+        check_space(space, base_config(space))
+    assert info.value.field == field, str(info.value)
+    assert not ray.is_initialized()
+
+
+@pytest.mark.parametrize("path", sorted(SPACES.glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_shipped_space_is_valid(path):
+    if path.name == "scenarios.yaml":
+        return
+    space = load_space(path)
+    check_space(space, base_config(space))
+    check_space(space, base_config(space, smoke=True))
+
+
+def test_resources_parse_and_reject():
+    from pfl.tune.sweep import parse_resources
+
+    assert parse_resources("cpu=1,gpu=0.25") == {"cpu": 1.0, "gpu": 0.25}
+    with pytest.raises(ConfigError):
+        parse_resources("tpu=1")
+
+
+# ---- sweeps on the session's Ray head ----------------------------------------------------------
+
+def test_smoke_sweep_on_cluster_logs_parent_children_and_table(ray_cluster, tmp_path):
+    env, db = _store(tmp_path)
+    env["RAY_ADDRESS"] = ray_cluster.address
+    code, out = ray_cluster.run(_sweep_args(SPACES / "fedavg.yaml", tmp_path, "--smoke"), env)
+    assert code == 0, out[-4000:]
+    assert "cluster at" in out and "== best ==" in out
+    parents, children, mc = _runs(env["MLFLOW_TRACKING_URI"])
+    assert len(parents) == 1 and len(children) >= 2
+    parent = parents[0]
+    assert all(c.data.tags["mlflow.parentRunId"] == parent.info.run_id for c in children)
+    assert all(c.info.status == "FINISHED" for c in children)
+    assert all("val/acc_mean" in c.data.metrics for c in children)
+    assert any(a.path == "trials.parquet" for a in mc.list_artifacts(parent.info.run_id))
+    table = pd.read_parquet(tmp_path / "ray_results" / "fedavg-smoke" / "trials.parquet")
+    assert len(table) == len(children) and set(table["mlflow_run_id"]) == {c.info.run_id for c in children}
+    best = table.sort_values("val/acc_mean", ascending=False).iloc[0]
+    assert parent.data.params["best.federation.lr"] == str(best["federation.lr"])
+
+
+def test_diverging_trial_fails_alone(ray_cluster, tmp_path):
+    env, db = _store(tmp_path)
+    env["RAY_ADDRESS"] = ray_cluster.address
+    space = _write(tmp_path, {
+        "base": {"data.source": "digits", "data.num_clients": 6, "federation.rounds": 3,
+                 "federation.clients_per_round": 3},
+        "fixed": {"method.name": "fedavg"},
+        "search": {"federation.lr": {"type": "grid", "values": [0.1, 1.0e12]}},
+        "searcher": "grid", "num_samples": 1, "metric": "val/acc_mean",
+    })
+    code, out = ray_cluster.run(_sweep_args(space, tmp_path), env)
+    assert code == 0, out[-4000:]
+    _, children, _ = _runs(env["MLFLOW_TRACKING_URI"])
+    status = sorted(c.info.status for c in children)
+    assert status == ["FAILED", "FINISHED"], status
+    failed = [c for c in children if c.info.status == "FAILED"][0]
+    assert "loss" in failed.data.tags.get("pfl.failure", "")
+
+
+def test_interrupted_sweep_resumes_without_losing_or_duplicating_runs(ray_cluster, tmp_path):
+    env, db = _store(tmp_path)
+    env["RAY_ADDRESS"] = ray_cluster.address
+    space = _write(tmp_path, {
+        "base": {"data.source": "digits", "data.num_clients": 6, "federation.rounds": 30,
+                 "federation.clients_per_round": 3, "federation.eval_every": 2},
+        "fixed": {"method.name": "fedavg"},
+        "search": {"federation.lr": {"type": "grid", "values": [0.02, 0.05, 0.1, 0.2]}},
+        "searcher": "grid", "num_samples": 1, "max_concurrent": 1, "checkpoint_every": 4,
+    })
+    args = _sweep_args(space, tmp_path, "--name", "resumable")
+    proc = ray_cluster.popen(args, env)
+    uri = env["MLFLOW_TRACKING_URI"]
+    deadline = time.time() + 300
+    finished = 0
+    while time.time() < deadline and proc.poll() is None:
+        time.sleep(2)
+        if db.exists():
+            try:
+                _, children, _ = _runs(uri)
+            except Exception:
+                continue
+            finished = sum(c.info.status == "FINISHED" for c in children)
+            if finished >= 1 and len(children) >= 2:
+                break
+    assert proc.poll() is None, "the sweep ended before it could be interrupted"
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+    _, before, _ = _runs(uri)
+    assert 1 <= sum(c.info.status == "FINISHED" for c in before) < 4
+    finished_ids = {c.info.run_id for c in before if c.info.status == "FINISHED"}
+    code, out = ray_cluster.run(args + ["--resume"], env)
+    assert code == 0, out[-4000:]
+    parents, after, mc = _runs(uri)
+    assert len(parents) == 1
+    assert len(after) == 4, [(c.info.run_name, c.info.status) for c in after]
+    assert all(c.info.status == "FINISHED" for c in after)
+    assert finished_ids <= {c.info.run_id for c in after}
+    for child in after:  # every trial ran to its last round
+        steps = {m.step for m in mc.get_metric_history(child.info.run_id, "comm/total_bytes")}
+        assert max(steps) == 29
