@@ -215,3 +215,32 @@ def test_interrupted_sweep_resumes_without_losing_or_duplicating_runs(ray_cluste
     for child in after:  # every trial ran to its last round
         steps = {m.step for m in mc.get_metric_history(child.info.run_id, "comm/total_bytes")}
         assert max(steps) == 29
+
+
+def test_tune_fpfc_smoke_logs_path_table_and_best_lambda(ray_cluster, tmp_path):
+    import re
+
+    env, db = _store(tmp_path)
+    env["RAY_ADDRESS"] = ray_cluster.address
+    code, out = ray_cluster.run([sys.executable, str(ROOT / "pipelines" / "tune_fpfc.py"), "--smoke",
+                                 "--storage", str(tmp_path / "ray_results")], env, timeout=900)
+    assert code == 0, out[-4000:]
+    printed = float(re.search(r"best λ = ([0-9.]+)", out).group(1))
+    mc = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
+    runs = [r for e in mc.search_experiments() for r in mc.search_runs([e.experiment_id])]
+    top = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    assert len(top) == 1
+    top = top[0]
+    assert float(top.data.params["best.lambda"]) == printed
+    sweeps = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == top.info.run_id]
+    assert {r.data.tags["pfl.strategy"] for r in sweeps} == {"warmup", "separate"}
+    trials = [r for r in runs if r.data.tags.get("mlflow.parentRunId") in {s.info.run_id for s in sweeps}]
+    warm_trials = [t for t in trials if t.data.tags.get("pfl.strategy") == "warmup"]
+    assert warm_trials and all(t.info.status == "FINISHED" for t in trials)
+    lambdas = [m.value for m in mc.get_metric_history(warm_trials[0].info.run_id, "fpfc/lambda")]
+    assert lambdas and lambdas == sorted(lambdas, reverse=True)  # the default path descends
+    top_artifacts = {a.path for a in mc.list_artifacts(top.info.run_id)}
+    assert {"strategies.parquet", "lambda_path.png"} <= top_artifacts
+    for sweep in sweeps:
+        assert "trials.parquet" in {a.path for a in mc.list_artifacts(sweep.info.run_id)}
+    assert "plots" in {a.path for a in mc.list_artifacts(warm_trials[0].info.run_id)}

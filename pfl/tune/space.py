@@ -116,6 +116,10 @@ class SearchSpace:
     seed: int = hp(0, "searcher seed", low=0)
     smoke: dict = hp(default_factory=dict, doc="dotted config values applied by --smoke")
     smoke_samples: int = hp(2, "trials in --smoke mode", low=1)
+    pipeline: dict = hp(default_factory=dict, doc="settings of the pipeline that runs this space "
+                        "(e.g. tune_fpfc.py's λ path), validated by that pipeline")
+    presets: dict = hp(default_factory=dict, doc="named presets: {name: {config: {dotted: value}, "
+                       "pipeline: {...}, num_samples: N}}")
 
     # filled by load_space
     path: str = ""

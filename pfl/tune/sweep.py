@@ -149,10 +149,10 @@ def results_table(result_grid, metric: str, searched: list[str]) -> pd.DataFrame
         row = {"trial": m.get("trial_id", ""), "status": "ERROR" if result.error else "OK"}
         for key in searched:
             row[key] = cfg.get(key)
-        for key in (metric, "val/acc_mean", "test/acc_mean", "global/test_acc", "comm/total_bytes",
-                    "cluster/num", "cluster/ari", "round", "time/elapsed_s"):
-            if key in m:
-                row[key] = m[key]
+        for key, value in m.items():  # every reported metric (names with a '/', plus the round)
+            if ("/" in key and not key.startswith("config/") and isinstance(value, (int, float))) \
+                    or key == "round":
+                row[key] = value
         row["mlflow_run_id"] = m.get("mlflow_run_id", "")
         row["error"] = str(result.error).splitlines()[0][:200] if result.error else ""
         rows.append(row)
@@ -163,7 +163,14 @@ def run_sweep(space: SearchSpace, *, overrides: list[str] | None = None, smoke: 
               resume: bool = False, address: str | None = None, resources: dict[str, float] | None = None,
               name: str | None = None, storage: str | Path = "ray_results", num_samples: int | None = None,
               trainable: Callable | None = None, progress: Callable[[str], None] | None = print,
-              parent_tags: dict[str, str] | None = None) -> SweepResult:
+              parent_tags: dict[str, str] | None = None, setup_extra: dict[str, Any] | None = None,
+              pipeline_run_id: str | None = None, extra_params: dict[str, Any] | None = None) -> SweepResult:
+    """Run (or resume) one sweep; see the module docstring.
+
+    ``trainable(config, setup)`` defaults to :func:`federated_trainable`; ``setup_extra`` is merged
+    into the constants it receives. ``pipeline_run_id`` nests this sweep's MLflow run under a
+    pipeline's run (trials are then grandchildren).
+    """
     from ray import tune
 
     from .trainable import federated_trainable
@@ -201,13 +208,14 @@ def run_sweep(space: SearchSpace, *, overrides: list[str] | None = None, smoke: 
 
         base_cfg = resolve(raw)
         parent = (Tracker.start(base_cfg.tracking.experiment, run_name=name, sweep=True,
+                                parent_run_id=pipeline_run_id,
                                 tags={"pfl.kind": "sweep", "pfl.space": space.path, **(parent_tags or {})})
                   if base_cfg.tracking.enabled else Tracker.disabled())
         parent.log_params({"space": space.path, "metric": space.metric, "mode": space.mode,
                            "num_samples": samples, "searcher": space.searcher, "smoke": smoke,
                            **{f"search.{k}": json.dumps(vars(v)) for k, v in space.distributions.items()},
-                           **{f"base.{k}": v for k, v in _flat(raw).items()}})
-        setup = {"base": raw, "parent_run_id": parent.run_id, "env": export_environment(),
+                           **{f"base.{k}": v for k, v in _flat(raw).items()}, **(extra_params or {})})
+        setup = {**(setup_extra or {}), "base": raw, "parent_run_id": parent.run_id, "env": export_environment(),
                  "experiment": base_cfg.tracking.experiment, "cpus": res["cpu"],
                  "checkpoint_every": space.checkpoint_every}
         exp_path.mkdir(parents=True, exist_ok=True)
