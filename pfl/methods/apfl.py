@@ -1,0 +1,142 @@
+"""APFL (Deng, Kamani, Mahdavi 2020): adaptive personalised FL by mixing a local and the global model.
+
+Client k keeps a local model v_k and a mixing weight α_k. In a round it starts w from θ^t and, on
+every minibatch ξ, updates simultaneously (the paper's Algorithm 1; the FL-bench/PFLlib code moves w
+first and mixes with the new w):
+
+    w ← w − η ∇f_k(w; ξ)
+    v ← v − η α ∇f_k(v̄; ξ)                 v̄ = α v + (1 − α) w
+    α ← clip_[0,1](α − η_α ⟨v − w, ∇f_k(v̄; ξ)⟩)   (adaptive only)
+
+All three are one step of the shared SGD loop on the loss f_k(w) + f_k(v̄) with w detached inside
+v̄: its gradients are exactly ∇f(w), α∇f(v̄) and ⟨v − w, ∇f(v̄)⟩. The loop runs on sample indices so
+that the extra loss sees the minibatch the main loss used. The client sends w; the server averages
+(FedAvg). Evaluation uses the mixture with the current global model, α_k v_k + (1 − α_k) θ
+(``mix: params``, the paper) or the same mixture of the two models' logits (``mix: logits``,
+FL-bench). α = 0 is therefore FedAvg's model; α = 1 a purely local one. Traffic equals FedAvg's.
+
+Defaults: α = 0.5 (FedSLR's tuned value, FL-bench's default), adaptive on, η_α = the client lr;
+``alpha_l2`` adds the code-level c·α_k inside the α-gradient (FedTorch/FL-bench/PFLlib use 0.02;
+the paper has none, so the default is 0). v_k starts at θ^0 and α_k at ``alpha``; clients never
+sampled are evaluated with that start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch.func import functional_call
+
+from ..federation.messages import Message
+from ..schema import hp
+from ..training import Params, loss_fn
+from . import register
+from .base import ClientHandle
+from .fedavg import FedAvg, FedAvgHparams
+
+_W, _V, _A = "w.", "v.", "alpha"
+
+
+@dataclass
+class APFLHparams(FedAvgHparams):
+    """APFL: a mixture of a local model and the global model, with a learned mixing weight."""
+    alpha: float = hp(0.5, "initial (or fixed) mixing weight α of the local model "
+                      "(grid 0.1, 0.25, 0.5, 0.75, 0.9)", low=0.0, high=1.0)
+    adaptive: bool = hp(True, "learn α_k per client by gradient descent")
+    alpha_lr: float = hp(0.0, "step size η_α of α (0 = the client lr)", low=0.0)
+    alpha_l2: float = hp(0.0, "c in the code-level α-gradient term c·α (FedTorch uses 0.02)", low=0.0)
+    mix: str = hp("params", "what is mixed: parameters (paper) or output logits (FL-bench)",
+                  choices=("params", "logits"))
+
+
+def _part(state: Params, prefix: str) -> Params:
+    n = len(prefix)
+    return {k[n:]: v for k, v in state.items() if k.startswith(prefix)}
+
+
+def mixed_params(v: Params, w: Params, alpha: torch.Tensor | float) -> Params:
+    """α v + (1 − α) w per tensor."""
+    return {k: alpha * v[k] + (1 - alpha) * w[k] for k in w}
+
+
+@register
+class APFL(FedAvg):
+    name = "apfl"
+    Hparams = APFLHparams
+    description = "APFL: adaptive mixture of local and global models (Deng et al. 2020)"
+
+    def setup(self) -> None:
+        super().setup()
+        self.init: Params = {k: v.clone() for k, v in self.global_model.items()}
+
+    def client_alpha(self, client: ClientHandle) -> torch.Tensor:
+        alpha = client.state.get("alpha")
+        if alpha is None:
+            alpha = torch.tensor(float(self.hp.alpha), device=self.ctx.device)
+        return alpha
+
+    def _mixed_forward(self, model: torch.nn.Module) -> Callable[[Params, Params, torch.Tensor, torch.Tensor], torch.Tensor]:
+        """Output of the personal mixture for inputs x: (v, w, α, x) -> logits."""
+        if self.hp.mix == "params":
+            return lambda v, w, a, x: functional_call(model, mixed_params(v, w, a), (x,))
+        return lambda v, w, a, x: (a * functional_call(model, v, (x,))
+                                   + (1 - a) * functional_call(model, w, (x,)))
+
+    def local_update(self, rnd: int, client: ClientHandle, msg: Message | None) -> Message:
+        received = msg.tensors()
+        hp_ = self.hp
+        lr = self.ctx.lr(rnd)
+        x, y = client.data.x_train, client.data.y_train
+        model, criterion = client.model, loss_fn(self.ctx.data.task)
+        mixed = self._mixed_forward(model)
+        start = self.start_params(client, received)
+        v = client.state.get("v", self.init)
+        state = {**{_W + k: t for k, t in start.items()}, **{_V + k: t for k, t in v.items()},
+                 _A: self.client_alpha(client).clone()}
+        trainable = [k for k in state if k != _A] + ([_A] if hp_.adaptive else [])
+        batch: dict[str, torch.Tensor] = {}
+
+        def forward(params: Params, idx: torch.Tensor) -> torch.Tensor:
+            batch["idx"] = idx  # the loop feeds indices; the extra loss reuses the same minibatch
+            return functional_call(model, _part(params, _W), (x[idx],))
+
+        def mixture_loss(params: Params) -> torch.Tensor:
+            idx = batch["idx"]
+            w_fixed = {k: t.detach() for k, t in _part(params, _W).items()}
+            return criterion(mixed(_part(params, _V), w_fixed, params[_A], x[idx]), y[idx])
+
+        wd = self.ctx.cfg.federation.weight_decay
+        alpha_scale = (hp_.alpha_lr or lr) / lr
+
+        def alpha_step(grads: Params, params: Params) -> Params:
+            if _A in grads:
+                a = params[_A].detach()
+                # the loop adds weight decay to every trainable; α is a mixing weight, so cancel it
+                grads[_A] = alpha_scale * (grads[_A] + hp_.alpha_l2 * a) - wd * a
+            return grads
+
+        def clip_alpha(params: Params) -> None:
+            params[_A].clamp_(0.0, 1.0)
+
+        indices = torch.arange(len(y), device=x.device)
+        result = client.train(state, rnd, x=indices, y=y, lr=lr, trainable=trainable, forward=forward,
+                              extra_loss=mixture_loss, grad_hook=alpha_step, post_step=clip_alpha)
+        out = result.params
+        client.state["v"] = _part(out, _V)
+        client.state["alpha"] = out[_A].detach().clone()
+        return Message.of(_part(out, _W), train_loss=result.mean_loss, n=client.n_train)
+
+    def personal_params(self, client: ClientHandle) -> Params:
+        v, alpha = client.state.get("v", self.init), self.client_alpha(client)
+        if self.hp.mix == "params":
+            return mixed_params(v, self.global_model, alpha)
+        return {**{_W + k: t for k, t in self.global_model.items()}, **{_V + k: t for k, t in v.items()},
+                _A: alpha}
+
+    def eval_forward(self, client: ClientHandle):
+        if self.hp.mix == "params":
+            return None
+        mixed = self._mixed_forward(client.model)
+        return lambda p, xb: mixed(_part(p, _V), _part(p, _W), p[_A], xb)
