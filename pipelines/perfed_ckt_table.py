@@ -1,0 +1,181 @@
+"""PerFed-CKT measurement table: accuracy vs Local, clustering vs no clustering, communication vs FedAvg.
+
+    python pipelines/perfed_ckt_table.py [--rounds 10] [--max-samples 6000] [--clients 20]
+                                         [--set key=value ...] [--no-track]
+
+Two scenarios on Fashion-MNIST, 20 clients, three architectures (cnn_fpfc < mlp < cnn_fedavg,
+assigned by data size × random score):
+
+* Dir(0.1): PerFed-CKT (k=2) vs Local with the same heterogeneous models (PerFed-CKT at λ = 0, which
+  is Local exactly), vs Local with the largest model for everyone, and FedAvg with the largest model
+  (its measured bytes are the communication baseline);
+* label swap (true clusters): PerFed-CKT with k = #true clusters vs k = 1 (no clustering) vs λ = 0.
+
+Every run is a child MLflow run of one parent run, which gets the table (CSV + text) and the headline
+numbers. Communication is what the simulator's ledger counted (uplink + downlink, all rounds).
+Runs are shrunk (data.max_samples, rounds) so the table finishes in a few minutes on a CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pfl.config import load  # noqa: E402
+from pfl.data import load_federated  # noqa: E402
+from pfl.runner import format_bytes, run_experiment  # noqa: E402
+from pfl.schema import ConfigError  # noqa: E402
+from pfl.tracking import Tracker, tracking_uri  # noqa: E402
+
+ARCHS = ["cnn_fpfc", "mlp", "cnn_fedavg"]
+LARGEST = "cnn_fedavg"
+
+
+def scenario_base(args, kind: str) -> dict:
+    base = {
+        "seed": args.seed,
+        "data.source": "fmnist", "data.num_clients": args.clients, "data.max_samples": args.max_samples,
+        "federation.rounds": args.rounds, "federation.clients_per_round": args.per_round,
+        "federation.local_epochs": args.epochs, "federation.batch_size": 20, "federation.lr": 0.05,
+        "federation.eval_every": args.rounds, "tracking.enabled": not args.no_track,
+        "federation.device": args.device,
+        "tracking.experiment": args.experiment, "model.name": LARGEST,
+    }
+    if kind == "dir01":
+        base.update({"data.partition.kind": "dirichlet", "data.partition.alpha": 0.1})
+    else:
+        base.update({"data.partition.kind": "label_swap", "data.partition.alpha": 1.0,
+                     "data.partition.num_clusters": args.clusters})
+    return base
+
+
+def ckt(public_size: int, **hp) -> dict:
+    out = {"method.name": "perfed_ckt", "method.architectures": ARCHS, "method.public_size": public_size}
+    out.update({f"method.{k}": v for k, v in hp.items()})
+    return out
+
+
+def runs(args) -> list[tuple[str, str, dict]]:
+    k_true, lam = args.clusters, f"λ={args.lam:g}"
+    return [
+        ("dir01", f"PerFed-CKT k=2 {lam}", ckt(args.public_size, k=2, lam=args.lam)),
+        ("dir01", "Local (same 3 archs; CKT λ=0)", ckt(args.public_size, k=2, lam=0.0)),
+        ("dir01", f"Local ({LARGEST} for all)", {"method.name": "local"}),
+        ("dir01", f"FedAvg ({LARGEST})", {"method.name": "fedavg"}),
+        ("label_swap", f"PerFed-CKT k={k_true} {lam}", ckt(args.public_size, k=k_true, lam=args.lam)),
+        ("label_swap", f"PerFed-CKT k={k_true} {lam} centered", ckt(args.public_size, k=k_true, lam=args.lam,
+                                                                  cluster_space="centered_logits")),
+        ("label_swap", f"PerFed-CKT k=1 {lam} (no clustering)", ckt(args.public_size, k=1, lam=args.lam)),
+        ("label_swap", "Local (same 3 archs; CKT λ=0)", ckt(args.public_size, k=k_true, lam=0.0)),
+    ]
+
+
+def fmt(value, spec=".4f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--max-samples", type=int, default=4000, help="pooled Fashion-MNIST samples used")
+    parser.add_argument("--epochs", type=int, default=2, help="local epochs per round")
+    parser.add_argument("--public-size", type=int, default=1000,
+                        help="public set size N = rows per round (spec default 2000; 1000 keeps CPU runs short)")
+    parser.add_argument("--device", default="cpu", help="federation.device (cpu, cuda, auto)")
+    parser.add_argument("--clients", type=int, default=20)
+    parser.add_argument("--per-round", type=int, default=10, help="clients sampled per round (0 = all)")
+    parser.add_argument("--clusters", type=int, default=4, help="true clusters of the label-swap scenario")
+    parser.add_argument("--lam", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--experiment", default="perfed_ckt_table")
+    parser.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                        help="dotted overrides applied to every run")
+    parser.add_argument("--only", nargs="+", default=[], metavar="TEXT",
+                        help="run only the rows whose label contains one of these (headline needs all)")
+    parser.add_argument("--no-track", action="store_true", help="do not log to MLflow")
+    args = parser.parse_args(argv)
+
+    parent = Tracker.disabled() if args.no_track else Tracker.start(args.experiment, "perfed_ckt_table")
+    parent.log_params({k: v for k, v in vars(args).items() if k != "set"} | {"set": " ".join(args.set)})
+    rows, data_cache = [], {}
+    start = time.perf_counter()
+    try:
+        for scenario, label, method in runs(args):
+            if args.only and not any(text in label for text in args.only):
+                continue
+            raw = scenario_base(args, scenario) | method
+            cfg = load(None, raw)
+            cfg = cfg.replace(args.set) if args.set else cfg
+            if scenario not in data_cache:
+                data_cache[scenario] = load_federated(cfg.data, cfg.seed)
+            child = (Tracker.disabled() if args.no_track else
+                     Tracker.start(args.experiment, f"{scenario}: {label}", parent_run_id=parent.run_id))
+            t0 = time.perf_counter()
+            summary = run_experiment(cfg, progress=None, tracker=child, data=data_cache[scenario])
+            f = summary.final
+            row = {"scenario": scenario, "run": label, "test_acc": f.get("test/acc_mean"),
+                   "test_acc_w": f.get("test/acc_weighted"), "test_acc_p10": f.get("test/acc_p10"),
+                   "global_acc": f.get("global/test_acc"), "clusters": f.get("cluster/num"),
+                   "ari_true": f.get("cluster/ari"), "ari_arch": f.get("cluster/ari_arch"),
+                   "bytes": f.get("comm/total_bytes", 0.0), "seconds": time.perf_counter() - t0,
+                   "run_id": summary.run_id}
+            rows.append(row)
+            print(f"{scenario:10s} {label:38s} acc {fmt(row['test_acc'])}  ARI {fmt(row['ari_true'], '.3f')} "
+                  f"ARI-arch {fmt(row['ari_arch'], '.3f')}  comm {format_bytes(row['bytes'])}  "
+                  f"{row['seconds']:.0f} s", flush=True)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        parent.end("FAILED")
+        return 2
+
+    import pandas as pd
+
+    table = pd.DataFrame(rows)
+    by = {(r["scenario"], r["run"]): r for r in rows}
+    k_true = args.clusters
+    with pd.option_context("display.max_columns", 20, "display.width", 200, "display.max_colwidth", 40):
+        text = table.drop(columns=["run_id"]).to_string(index=False, float_format=lambda v: f"{v:.4f}")
+    print("\n== PerFed-CKT table ==")
+    print(text)
+    if len(rows) < len(runs(args)):
+        parent.log_text(text + "\n", "perfed_ckt_table.txt")
+        parent.end("FINISHED")
+        return 0
+    lam = f"λ={args.lam:g}"
+    ckt_dir = by[("dir01", f"PerFed-CKT k=2 {lam}")]
+    local_same = by[("dir01", "Local (same 3 archs; CKT λ=0)")]
+    fedavg = by[("dir01", f"FedAvg ({LARGEST})")]
+    swap_k = by[("label_swap", f"PerFed-CKT k={k_true} {lam}")]
+    swap_1 = by[("label_swap", f"PerFed-CKT k=1 {lam} (no clustering)")]
+    headline = {
+        "dir01/ckt_acc": ckt_dir["test_acc"], "dir01/local_same_archs_acc": local_same["test_acc"],
+        "dir01/ckt_minus_local": ckt_dir["test_acc"] - local_same["test_acc"],
+        "swap/k_true_acc": swap_k["test_acc"], "swap/k1_acc": swap_1["test_acc"],
+        "swap/k_true_minus_k1": swap_k["test_acc"] - swap_1["test_acc"],
+        "swap/ari_true": swap_k["ari_true"] or 0.0, "swap/ari_arch": swap_k["ari_arch"] or 0.0,
+        "comm/ckt_bytes": ckt_dir["bytes"], "comm/fedavg_bytes": fedavg["bytes"],
+        "comm/fedavg_over_ckt": fedavg["bytes"] / ckt_dir["bytes"],
+        "time/total_s": time.perf_counter() - start,
+    }
+    print("\n== headline ==")
+    for key, value in headline.items():
+        print(f"  {key} = {value:.4f}" if abs(value) < 1e4 else f"  {key} = {value:,.0f}")
+    parent.log_metrics(headline)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "perfed_ckt_table.csv"
+        table.to_csv(path, index=False)
+        parent.log_artifact(path)
+    parent.log_text(text + "\n", "perfed_ckt_table.txt")
+    parent.end("FINISHED")
+    if parent.run_id:
+        print(f"\nMLflow parent run {parent.run_id}; view: mlflow ui --backend-store-uri {tracking_uri()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
