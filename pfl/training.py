@@ -40,7 +40,7 @@ class TrainResult:
     mean_loss: float
 
 
-def _batches(n: int, batch_size: int, epochs: int, steps: int | None,
+def batch_indices(n: int, batch_size: int, epochs: int, steps: int | None,
              generator: torch.Generator | None, device: torch.device) -> Iterable[torch.Tensor | None]:
     """Index slices of a per-epoch permutation; ``None`` means the whole set (full batch)."""
     if n == 0:
@@ -97,7 +97,7 @@ def local_sgd(
     fwd = forward or (lambda p, xb: functional_call(model, p, (xb,)))
     velocity: Params = {}
     total_loss, count = 0.0, 0
-    for idx in _batches(len(y), batch_size, epochs, steps, generator, x.device):
+    for idx in batch_indices(len(y), batch_size, epochs, steps, generator, x.device):
         xb, yb = (x, y) if idx is None else (x[idx], y[idx])
         loss = criterion(fwd(state, xb), yb)
         total_loss += float(loss.detach())
@@ -124,6 +124,18 @@ def local_sgd(
         count += 1
     out = {k: v.detach() for k, v in state.items()}
     return TrainResult(out, count, total_loss / max(count, 1))
+
+
+def proximal_pull(anchor: Mapping[str, torch.Tensor], weight: float) -> Callable[[Params, Params], Params]:
+    """A ``grad_hook`` adding the gradient of (weight/2)‖w − anchor‖²: weight·(w − anchor).
+
+    FedProx's proximal term, Ditto's personal task, pFedMe's Moreau-envelope inner problem.
+    The anchor is read at every step, so an anchor updated in place moves the pull with it.
+    """
+    def hook(grads: Params, params: Params) -> Params:
+        return {k: g + weight * (params[k] - anchor[k]) for k, g in grads.items()}
+
+    return hook
 
 
 @dataclass

@@ -73,7 +73,7 @@ def run(args) -> int:
     from pfl.tracking import Tracker, tracking_uri
     from pfl.tune.fpfc_trainable import fpfc_path_trainable, plot_path
     from pfl.tune.lambda_path import PathSettings
-    from pfl.tune.space import Distribution, base_config, check_space, load_space
+    from pfl.tune.space import base_config, check_space, load_space
     from pfl.tune.sweep import parse_resources, run_sweep
 
     preset = "smoke" if args.smoke else args.preset

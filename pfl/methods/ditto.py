@@ -23,7 +23,7 @@ from typing import Any
 
 from ..federation.messages import Message
 from ..schema import hp
-from ..training import Params
+from ..training import Params, proximal_pull
 from . import register
 from .base import ClientHandle
 from .fedavg import FedAvg, FedAvgHparams
@@ -57,10 +57,7 @@ class Ditto(FedAvg):
         kwargs: dict[str, Any] = {"epochs": self.hp.personal_epochs, "steps": None, "tag": "personal",
                                   "lr": self.hp.personal_lr or self.ctx.lr(rnd)}
         if lam:
-            def proximal_gradient(grads: Params, params: Params) -> Params:
-                return {k: g + lam * (params[k] - received[k]) for k, g in grads.items()}
-
-            kwargs["grad_hook"] = proximal_gradient
+            kwargs["grad_hook"] = proximal_pull(received, lam)
         return kwargs
 
     def local_update(self, rnd: int, client: ClientHandle, msg: Message | None) -> Message:

@@ -12,7 +12,7 @@ from typing import Any
 from ..aggregation import weighted_average
 from ..federation.messages import Message
 from ..schema import hp
-from ..training import Params
+from ..training import Params, proximal_pull
 from . import register
 from .base import ClientHandle, Method
 
@@ -51,12 +51,16 @@ class FedAvg(Method):
         result = client.train(self.start_params(client, received), rnd, **self.train_kwargs(client, received))
         return Message.of(result.params, train_loss=result.mean_loss, n=client.n_train)
 
+    def reply_average(self, replies: dict[int, Message]) -> Params:
+        """Average of the returned models, weighted as ``weighting`` says."""
+        models = [r.tensors() for r in replies.values()]
+        weights = ([r.info["n"] for r in replies.values()] if self.hp.weighting == "samples" else None)
+        return weighted_average(models, weights)
+
     def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
         if not replies:
             return
-        models = [r.tensors() for r in replies.values()]
-        weights = ([r.info["n"] for r in replies.values()] if self.hp.weighting == "samples" else None)
-        avg = weighted_average(models, weights)
+        avg = self.reply_average(replies)
         if self.hp.server_lr == 1.0:
             self.global_model = avg
         else:
@@ -80,14 +84,9 @@ class FedProx(FedAvg):
     description = "FedAvg with a proximal term (Li et al. 2020)"
 
     def train_kwargs(self, client: ClientHandle, received: Params) -> dict[str, Any]:
-        mu = self.hp.mu
-        if mu == 0:
+        if self.hp.mu == 0:
             return {}
-
-        def proximal_gradient(grads: Params, params: Params) -> Params:
-            return {k: g + mu * (params[k] - received[k]) for k, g in grads.items()}
-
-        return {"grad_hook": proximal_gradient}
+        return {"grad_hook": proximal_pull(received, self.hp.mu)}
 
 
 @dataclass

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..aggregation import weighted_average, zeros_like
+from ..aggregation import zeros_like
 from ..federation.messages import Message
 from ..schema import hp
 from ..training import Params
@@ -81,9 +81,7 @@ class FedOpt(FedAvg):
     def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
         if not replies:
             return
-        models = [r.tensors() for r in replies.values()]
-        weights = [r.info["n"] for r in replies.values()] if self.hp.weighting == "samples" else None
-        avg = weighted_average(models, weights)
+        avg = self.reply_average(replies)
         hp_ = self.hp
         new_global = {}
         for k, g in self.global_model.items():

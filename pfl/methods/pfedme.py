@@ -28,10 +28,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..aggregation import weighted_average
 from ..federation.messages import Message
 from ..schema import hp
-from ..training import Params, _batches
+from ..training import Params, batch_indices, proximal_pull
 from . import register
 from .base import ClientHandle
 from .fedavg import FedAvg
@@ -74,11 +73,9 @@ class PFedMe(FedAvg):
         x, y = client.data.x_train, client.data.y_train
         batch_size = self.ctx.cfg.federation.batch_size
 
-        def moreau_pull(grads: Params, params: Params) -> Params:
-            return {k: g + lam * (params[k] - w[k]) for k, g in grads.items()}
-
+        moreau_pull = proximal_pull(w, lam)  # w moves in place below; the pull follows it
         losses = []
-        batches = _batches(len(y), batch_size, 1, self._iters(client), client.generator(rnd, "pfedme"), x.device)
+        batches = batch_indices(len(y), batch_size, 1, self._iters(client), client.generator(rnd, "pfedme"), x.device)
         for idx in batches:
             xb, yb = (x, y) if idx is None else (x[idx], y[idx])
             inner = client.train(theta, rnd, x=xb, y=yb, batch_size=0, steps=hp_.inner_steps, epochs=1,
@@ -95,9 +92,7 @@ class PFedMe(FedAvg):
     def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
         if not replies:
             return
-        models = [r.tensors() for r in replies.values()]
-        weights = [r.info["n"] for r in replies.values()] if self.hp.weighting == "samples" else None
-        avg = weighted_average(models, weights)
+        avg = self.reply_average(replies)
         beta = self.hp.beta
         self.global_model = avg if beta == 1.0 else {
             k: (1 - beta) * g + beta * avg[k] for k, g in self.global_model.items()}
