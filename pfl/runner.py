@@ -110,13 +110,16 @@ def log_artifacts(sim: Simulator, tracker: Tracker) -> None:
 
 def run_experiment(cfg: ExperimentConfig, *, progress: Callable[[str], None] | None = print,
                    tracker: Tracker | None = None, checkpoint: str | Path | None = None,
-                   resume: bool = False, data=None) -> RunSummary:
+                   resume: bool = False, data=None,
+                   simulator_cls: type[Simulator] | None = None) -> RunSummary:
     """Train one experiment, logging to MLflow unless ``cfg.tracking.enabled`` is false.
 
     With ``checkpoint`` set, the state is saved there every ``federation.checkpoint_every`` rounds
     and at the end; ``resume=True`` continues from it (and from its MLflow run).
+    ``simulator_cls`` runs another driver of the same interface (e.g. the event-driven
+    :class:`pfl.federation.async_clock.AsyncSimulator`).
     """
-    sim = Simulator(cfg, data=data)
+    sim = (simulator_cls or Simulator)(cfg, data=data)
     ckpt = Path(checkpoint) if checkpoint else None
     run_id = None
     if resume and ckpt is not None and ckpt.is_file():
@@ -169,3 +172,50 @@ def run_experiment(cfg: ExperimentConfig, *, progress: Callable[[str], None] | N
         final.update(row)
     return RunSummary(final=final, history=sim.history, run_id=tracker.run_id, status=status,
                       reason=reason, extra={"simulator": sim})
+
+
+class TableRun:
+    """A pipeline that compares configurations: one MLflow parent run, one child run per row.
+
+    ``run(label, cfg)`` trains one row as a child run; ``finish(rows, name)`` logs the table on the
+    parent as CSV (and Markdown when given) and ends it. With ``track=False`` nothing is logged.
+    """
+
+    def __init__(self, name: str, *, experiment: str | None = None, track: bool = True,
+                 params: dict | None = None, tags: dict | None = None):
+        self.experiment = experiment
+        self.track = track
+        self.parent = (Tracker.start(experiment, name, sweep=experiment is None,
+                                     tags={"pfl.pipeline": name, **(tags or {})})
+                       if track else Tracker.disabled())
+        self.parent.log_params(params or {})
+
+    def run(self, label: str, cfg: ExperimentConfig, **kwargs) -> RunSummary:
+        child = (Tracker.start(self.experiment, label, parent_run_id=self.parent.run_id,
+                               sweep=self.experiment is None) if self.track else Tracker.disabled())
+        kwargs.setdefault("progress", None)
+        return run_experiment(cfg, tracker=child, **kwargs)
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.parent.log_metrics(metrics, step=step)
+
+    def finish(self, rows: list[dict], name: str, text: str | None = None,
+               outdir: str | Path | None = None) -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(outdir) if outdir else Path(tmp)
+            out.mkdir(parents=True, exist_ok=True)
+            if rows:
+                fields = list(dict.fromkeys(k for row in rows for k in row))
+                with (out / f"{name}.csv").open("w", newline="") as fh:
+                    writer = csv.DictWriter(fh, fieldnames=fields)
+                    writer.writeheader()
+                    writer.writerows(rows)
+                self.parent.log_artifact(out / f"{name}.csv")
+            if text is not None:
+                (out / f"{name}.md").write_text(text + "\n")
+                self.parent.log_artifact(out / f"{name}.md")
+        self.parent.end("FINISHED")
+
+    @property
+    def run_id(self) -> str | None:
+        return self.parent.run_id

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -106,27 +105,22 @@ def run(methods: list[str], scenario: str = "fmnist_dir01", quick: bool = False,
     import pandas as pd
 
     from pfl.data import load_federated
-    from pfl.runner import run_experiment
+    from pfl.runner import TableRun
     from pfl.schema import flatten
-    from pfl.tracking import Tracker
 
     configs = build_configs(methods, scenario, quick, list(overrides or []), method_sets or {}, track)
     first = next(iter(configs.values()))
     data = load_federated(first.data, first.seed)
-    parent = Tracker.disabled()
-    if track:
-        parent = Tracker.start(None, "compare_baselines" + ("-quick" if quick else ""), sweep=True,
-                               tags={"pfl.pipeline": "compare_baselines", "pfl.scenario": scenario})
-        shared = {k: v for k, v in flatten(first.to_dict()).items() if not k.startswith("method.")}
-        parent.log_params({**shared, "methods": ",".join(methods), "scenario": scenario, "quick": quick})
+    shared = {k: v for k, v in flatten(first.to_dict()).items() if not k.startswith("method.")}
+    parent = TableRun("compare_baselines" + ("-quick" if quick else ""), track=track,
+                      tags={"pfl.scenario": scenario},
+                      params={**shared, "methods": ",".join(methods), "scenario": scenario, "quick": quick})
     rows = []
     for method, cfg in configs.items():
         start = time.perf_counter()
-        child = (Tracker.start(None, method, parent_run_id=parent.run_id, sweep=True)
-                 if track else Tracker.disabled())
         if progress:
             progress(f"== {method} ==")
-        summary = run_experiment(cfg, progress=progress, tracker=child, data=data)
+        summary = parent.run(method, cfg, progress=progress, data=data)
         best = max((h["test/acc_mean"] for h in summary.history if "test/acc_mean" in h), default=float("nan"))
         f = summary.final
         rows.append({
@@ -142,14 +136,7 @@ def run(methods: list[str], scenario: str = "fmnist_dir01", quick: bool = False,
                             f"{method}/total_bytes": rows[-1]["total_bytes"]})
     table = pd.DataFrame(rows)
     text = format_table(rows)
-    with tempfile.TemporaryDirectory() as tmp:
-        outdir = Path(out) if out else Path(tmp)
-        outdir.mkdir(parents=True, exist_ok=True)
-        table.to_csv(outdir / "baselines_table.csv", index=False)
-        (outdir / "baselines_table.md").write_text(text + "\n")
-        parent.log_artifact(outdir / "baselines_table.csv")
-        parent.log_artifact(outdir / "baselines_table.md")
-    parent.end("FINISHED")
+    parent.finish(rows, "baselines_table", text, outdir=out)
     return {"table": table, "markdown": text, "parent_run_id": parent.run_id}
 
 

@@ -21,10 +21,8 @@ child run with its per-round metrics.
 from __future__ import annotations
 
 import argparse
-import csv
 import re
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -118,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from pfl.data import load_federated
-    from pfl.runner import run_experiment
-    from pfl.tracking import Tracker, tracking_uri
+    from pfl.runner import TableRun
+    from pfl.tracking import tracking_uri
     from pfl.tune.space import load_scenario
 
     tracking = not args.no_tracking
@@ -141,19 +139,16 @@ def main(argv: list[str] | None = None) -> int:
           f"model {first.model.name}; {first.federation.rounds} rounds, all clients per round")
 
     # pipeline runs go to mlflow.yaml's sweep experiment unless --experiment names one
-    parent = (Tracker.start(args.experiment, "fedala_table", sweep=not args.experiment,
-                            tags={"pfl.pipeline": "fedala_table", "pfl.source": first.data.source})
-              if tracking else Tracker.disabled())
-    parent.log_params({"scenario": args.scenario, "rounds": args.rounds, "max_samples": args.max_samples,
-                       "eval_every": args.eval_every, "rows": " ".join(args.rows),
-                       "overrides": " ".join(args.set)})
+    parent = TableRun("fedala_table", experiment=args.experiment, track=tracking,
+                      tags={"pfl.source": first.data.source},
+                      params={"scenario": args.scenario, "rounds": args.rounds, "max_samples": args.max_samples,
+                              "eval_every": args.eval_every, "rows": " ".join(args.rows),
+                              "overrides": " ".join(args.set)})
     results = []
     t0 = time.perf_counter()
     for label, cfg in configs.items():
-        child = (Tracker.start(args.experiment, label, parent_run_id=parent.run_id, sweep=not args.experiment)
-                 if tracking else Tracker.disabled())
         start = time.perf_counter()
-        summary = run_experiment(cfg, progress=None, tracker=child, data=data)
+        summary = parent.run(label, cfg, data=data)
         row = summarize(label, cfg, summary.history)
         row["wall_s"] = time.perf_counter() - start
         results.append(row)
@@ -167,16 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     table = format_table(results)
     print("\n" + table)
     print(f"\ntotal wall time {time.perf_counter() - t0:.0f} s")
+    parent.finish(results, "fedala_table", table)
     if tracking:
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "fedala_table.csv"
-            with path.open("w", newline="") as fh:
-                writer = csv.DictWriter(fh, fieldnames=list(results[0]))
-                writer.writeheader()
-                writer.writerows(results)
-            parent.log_artifact(path)
-        parent.log_text(table + "\n", "fedala_table.md")
-        parent.end("FINISHED")
         print(f"MLflow parent run {parent.run_id}; view: mlflow ui --backend-store-uri {tracking_uri()}")
     return 0
 

@@ -11,18 +11,15 @@ parent as ``fedslr_lambda.csv``. Bytes are measured by the simulator from the de
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pfl.config import apply_overrides, load  # noqa: E402
-from pfl.runner import run_experiment  # noqa: E402
+from pfl.runner import TableRun  # noqa: E402
 from pfl.schema import ConfigError  # noqa: E402
-from pfl.tracking import Tracker  # noqa: E402
 from pfl.tune.space import load_scenario  # noqa: E402
 
 COLUMNS = ("method", "lam", "rank_mean", "rank_kept", "gkr_params", "mixed_params", "sparsity",
@@ -77,16 +74,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {err}", file=sys.stderr)
         return 2
 
-    parent = Tracker.disabled() if args.no_track else Tracker.start(run_name="fedslr_lambda")
-    parent.log_params({"scenario": args.scenario, "rounds": args.rounds, "max_samples": args.max_samples,
-                       "lams": " ".join(map(str, args.lams)), "overrides": " ".join(args.set)})
+    parent = TableRun("fedslr_lambda", track=not args.no_track,
+                      params={"scenario": args.scenario, "rounds": args.rounds, "max_samples": args.max_samples,
+                              "lams": " ".join(map(str, args.lams)), "overrides": " ".join(args.set)})
     rows = []
     for method, lam, cfg in configs:
         name = f"{method}" + ("" if lam is None else f" lam={lam:g}")
-        child = (Tracker.disabled() if args.no_track else
-                 Tracker.start(run_name=name, parent_run_id=parent.run_id))
         start = time.perf_counter()
-        summary = run_experiment(cfg, progress=None, tracker=child)
+        summary = parent.run(name, cfg)
         wall = time.perf_counter() - start
         row = row_of(method, lam, summary.final, cfg.federation.clients_per_round, wall)
         rows.append(row)
@@ -97,15 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + " | ".join(COLUMNS))
     for row in rows:
         print(" | ".join(fmt(row[k]) for k in COLUMNS))
-    if parent.enabled:
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "fedslr_lambda.csv"
-            with path.open("w", newline="") as fh:
-                writer = csv.DictWriter(fh, fieldnames=list(COLUMNS))
-                writer.writeheader()
-                writer.writerows(rows)
-            parent.log_artifact(path)
-        parent.end()
+    parent.finish(rows, "fedslr_lambda")
+    if parent.run_id:
         print(f"\nMLflow parent run {parent.run_id}")
     return 0
 

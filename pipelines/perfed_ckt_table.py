@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -28,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pfl.config import load  # noqa: E402
 from pfl.data import load_federated  # noqa: E402
-from pfl.runner import format_bytes, run_experiment  # noqa: E402
+from pfl.runner import TableRun, format_bytes  # noqa: E402
 from pfl.schema import ConfigError  # noqa: E402
-from pfl.tracking import Tracker, tracking_uri  # noqa: E402
+from pfl.tracking import tracking_uri  # noqa: E402
 
 ARCHS = ["cnn_fpfc", "mlp", "cnn_fedavg"]
 LARGEST = "cnn_fedavg"
@@ -100,8 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-track", action="store_true", help="do not log to MLflow")
     args = parser.parse_args(argv)
 
-    parent = Tracker.disabled() if args.no_track else Tracker.start(args.experiment, "perfed_ckt_table")
-    parent.log_params({k: v for k, v in vars(args).items() if k != "set"} | {"set": " ".join(args.set)})
+    parent = TableRun("perfed_ckt_table", experiment=args.experiment, track=not args.no_track,
+                      params={k: v for k, v in vars(args).items() if k != "set"} | {"set": " ".join(args.set)})
     rows, data_cache = [], {}
     start = time.perf_counter()
     try:
@@ -113,10 +112,8 @@ def main(argv: list[str] | None = None) -> int:
             cfg = cfg.replace(args.set) if args.set else cfg
             if scenario not in data_cache:
                 data_cache[scenario] = load_federated(cfg.data, cfg.seed)
-            child = (Tracker.disabled() if args.no_track else
-                     Tracker.start(args.experiment, f"{scenario}: {label}", parent_run_id=parent.run_id))
             t0 = time.perf_counter()
-            summary = run_experiment(cfg, progress=None, tracker=child, data=data_cache[scenario])
+            summary = parent.run(f"{scenario}: {label}", cfg, data=data_cache[scenario])
             f = summary.final
             row = {"scenario": scenario, "run": label, "test_acc": f.get("test/acc_mean"),
                    "test_acc_w": f.get("test/acc_weighted"), "test_acc_p10": f.get("test/acc_p10"),
@@ -130,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['seconds']:.0f} s", flush=True)
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
-        parent.end("FAILED")
+        parent.finish(rows, "perfed_ckt_table")
         return 2
 
     import pandas as pd
@@ -143,8 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n== PerFed-CKT table ==")
     print(text)
     if len(rows) < len(runs(args)):
-        parent.log_text(text + "\n", "perfed_ckt_table.txt")
-        parent.end("FINISHED")
+        parent.finish(rows, "perfed_ckt_table", text)
         return 0
     lam = f"λ={args.lam:g}"
     ckt_dir = by[("dir01", f"PerFed-CKT k=2 {lam}")]
@@ -166,12 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     for key, value in headline.items():
         print(f"  {key} = {value:.4f}" if abs(value) < 1e4 else f"  {key} = {value:,.0f}")
     parent.log_metrics(headline)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "perfed_ckt_table.csv"
-        table.to_csv(path, index=False)
-        parent.log_artifact(path)
-    parent.log_text(text + "\n", "perfed_ckt_table.txt")
-    parent.end("FINISHED")
+    parent.finish(rows, "perfed_ckt_table", text)
     if parent.run_id:
         print(f"\nMLflow parent run {parent.run_id}; view: mlflow ui --backend-store-uri {tracking_uri()}")
     return 0
