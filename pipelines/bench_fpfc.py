@@ -1,0 +1,160 @@
+"""Benchmark: one FPFC round on S1 (100 devices) against the bare local SGD it contains.
+
+    python pipelines/bench_fpfc.py [--rounds 10] [--device cpu|cuda] [--threads N] [--no-track]
+
+Runs FPFC on scenario S1 (spec fpfc.md §5.1: 100 devices, 30 per round, 10 full-batch steps,
+p = 610) without evaluation and times, per round, (a) the clients' calls of the shared local-SGD
+loop (:func:`pfl.training.local_sgd`), (b) the server's work (``begin_round``: all ζ_i in one
+stacked op; ``aggregate``: the pair updates of the 30 × 100 × 610 rows touching the sampled set),
+and (c) the whole round as the simulator runs it (messages, hooks). It prints the medians and the
+ratios round / local SGD and server / local SGD, times the server's pair update alone for |A| = 30
+and |A| = 100 on (100, 100, 610) tensors, and logs everything to an MLflow run ``bench_fpfc``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=10, help="timed rounds (after 2 warm-up rounds)")
+    parser.add_argument("--device", default="cpu", help="federation.device")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--pair-update", default="once", choices=("once", "official_sequential"))
+    parser.add_argument("--experiment", default=None)
+    parser.add_argument("--no-track", action="store_true")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    import pfl.methods.base as base
+    from pfl.config import load
+    from pfl.federation.simulator import Simulator
+    from pfl.methods.fpfc import pair_update, zeta
+    from pfl.prox import scad_prox
+    from pfl.tracking import Tracker
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = load(None, {
+        "data.source": "fpfc_synthetic", "data.num_clients": 100, "data.val_fraction": 0.0,
+        "data.test_fraction": 0.2, "method.name": "fpfc", "method.pair_update": args.pair_update,
+        "federation.clients_per_round": 30, "federation.batch_size": 0, "federation.local_steps": 10,
+        "federation.lr": 0.1, "federation.rounds": 10**6, "federation.eval_every": 10**6,
+        "federation.device": args.device, "tracking.enabled": False, "seed": 1,
+    })
+    sim = Simulator(cfg)
+    device = sim.device
+    method = sim.method
+
+    timers = {"local_sgd": 0.0, "server": 0.0}
+    original_sgd = base.local_sgd
+
+    def timed_sgd(*a, **kw):
+        sync(device)
+        t0 = time.perf_counter()
+        out = original_sgd(*a, **kw)
+        sync(device)
+        timers["local_sgd"] += time.perf_counter() - t0
+        return out
+
+    def timed(hook):
+        def wrapper(*a, **kw):
+            sync(device)
+            t0 = time.perf_counter()
+            out = hook(*a, **kw)
+            sync(device)
+            timers["server"] += time.perf_counter() - t0
+            return out
+        return wrapper
+
+    base.local_sgd = timed_sgd
+    method.begin_round = timed(method.begin_round)
+    method.aggregate = timed(method.aggregate)
+    rows = []
+    try:
+        sim.run(until=2)  # warm-up
+        for _ in range(args.rounds):
+            timers.update(local_sgd=0.0, server=0.0)
+            sync(device)
+            t0 = time.perf_counter()
+            sim.run_round()
+            sync(device)
+            total = time.perf_counter() - t0
+            samples = sum(sim.data.clients[c].n_train for c in sim.sample(sim.round - 1))
+            rows.append({"round": total, "local_sgd": timers["local_sgd"], "server": timers["server"],
+                         "other": total - timers["local_sgd"] - timers["server"], "samples": samples})
+    finally:
+        base.local_sgd = original_sgd
+
+    med = {k: statistics.median(r[k] for r in rows) for k in ("round", "local_sgd", "server", "other", "samples")}
+    other = med["other"]
+
+    # the pair update alone on (m, m, p) = (100, 100, 610) tensors
+    g = torch.Generator().manual_seed(0)
+    m, p = 100, 610
+    W = torch.randn(m, p, generator=g).to(device)
+    theta = torch.zeros(m, m, p, device=device)
+    v = torch.zeros(m, m, p, device=device)
+
+    def prox(d):
+        return scad_prox(d, 0.8, 1.0, 1e-3, 3.7)
+
+    pair_times = {}
+    for size in (30, 100):
+        rows_idx = list(range(0, m, m // size))[:size]
+        times = []
+        for _ in range(5):
+            sync(device)
+            t0 = time.perf_counter()
+            zeta(W, theta, v, torch.as_tensor(rows_idx, device=device), 1.0)
+            pair_update(W, theta, v, rows_idx, prox, 1.0, args.pair_update)
+            sync(device)
+            times.append(time.perf_counter() - t0)
+        pair_times[size] = statistics.median(times)
+
+    print(f"FPFC on S1 (100 devices, 30 per round, 10 full-batch steps, p = 610), device {device}, "
+          f"threads {torch.get_num_threads()}, {args.rounds} rounds (median):")
+    print(f"  whole round            {med['round'] * 1e3:9.1f} ms")
+    print(f"  clients' local_sgd     {med['local_sgd'] * 1e3:9.1f} ms  ({med['samples']:.0f} training samples "
+          f"in the sampled set, 10 steps each)")
+    print(f"  server (ζ + pairs)     {med['server'] * 1e3:9.1f} ms")
+    print(f"  other (messages, hooks){other * 1e3:9.1f} ms")
+    print(f"  ratio round / local_sgd  {med['round'] / med['local_sgd']:.3f}")
+    print(f"  ratio server / local_sgd {med['server'] / med['local_sgd']:.3f}")
+    for size, t in pair_times.items():
+        print(f"  ζ + pair update alone, |A| = {size:3d}: {t * 1e3:8.1f} ms")
+
+    if not args.no_track:
+        tracker = Tracker.start(args.experiment, "bench_fpfc", tags={"pfl.pipeline": "bench_fpfc"})
+        tracker.log_params({"device": str(device), "threads": torch.get_num_threads(), "rounds": args.rounds,
+                            "pair_update": args.pair_update, "clients": 100, "per_round": 30, "p": 610})
+        tracker.log_metrics({"bench/round_ms": med["round"] * 1e3, "bench/local_sgd_ms": med["local_sgd"] * 1e3,
+                             "bench/server_ms": med["server"] * 1e3, "bench/other_ms": other * 1e3,
+                             "bench/ratio_round_local": med["round"] / med["local_sgd"],
+                             "bench/ratio_server_local": med["server"] / med["local_sgd"],
+                             "bench/pair_update_30_ms": pair_times[30] * 1e3,
+                             "bench/pair_update_100_ms": pair_times[100] * 1e3})
+        for i, r in enumerate(rows):
+            tracker.log_metrics({f"bench/{k}_ms": r[k] * 1e3 for k in ("round", "local_sgd", "server")}, step=i)
+        tracker.end()
+        print(f"MLflow run {tracker.run_id}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

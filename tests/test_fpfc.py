@@ -1,0 +1,286 @@
+"""FPFC / FPFC-L1 / asyncFPFC: server math against direct loops, communication, learning, resume."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import small_config
+from pfl.config import load
+from pfl.federation.async_clock import AsyncSimulator, DelayModel, samples_per_update
+from pfl.federation.simulator import Simulator
+from pfl.methods.fpfc import pair_update, zeta
+from pfl.prox import group_soft_threshold, scad_prox
+from pfl.schema import ConfigError
+
+
+def synthetic_config(**overrides):
+    """A small S1-like federation: clustered softmax regression, full-batch GD, 80/20 split."""
+    base = {
+        "data.source": "fpfc_synthetic", "data.num_clients": 20, "data.val_fraction": 0.0,
+        "data.test_fraction": 0.2, "data.params.size_scale": 0.1, "method.name": "fpfc",
+        "federation.rounds": 3, "federation.clients_per_round": 6, "federation.batch_size": 0,
+        "federation.local_steps": 10, "federation.lr": 0.1, "federation.eval_every": 1000,
+        "tracking.enabled": False, "seed": 1,
+    }
+    base.update({k.replace("__", "."): v for k, v in overrides.items()})
+    return load(None, base)
+
+
+# ---- server math ------------------------------------------------------------------------------
+
+def _random_state(m=6, p=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    W = torch.randn(m, p, generator=g, dtype=torch.float64)
+    theta = torch.randn(m, m, p, generator=g, dtype=torch.float64) * 0.5
+    v = torch.randn(m, m, p, generator=g, dtype=torch.float64) * 0.5
+    theta = theta - theta.transpose(0, 1)   # antisymmetric, zero diagonal
+    v = v - v.transpose(0, 1)
+    return W, theta, v
+
+
+def _loop_reference(W, theta, v, rows, prox, rho, mode):
+    """The update of spec §2.2 step 4 pair by pair in plain Python."""
+    theta, v = theta.clone(), v.clone()
+    m = W.shape[0]
+
+    def update(i, j):
+        delta = W[i] - W[j] + v[i, j] / rho
+        t = prox(delta.unsqueeze(0))[0]
+        theta[i, j] = t
+        v[i, j] = v[i, j] + rho * (W[i] - W[j] - t)
+        theta[j, i] = -theta[i, j]
+        v[j, i] = -v[i, j]
+
+    if mode == "once":
+        for i in range(m):
+            for j in range(i + 1, m):
+                if i in rows or j in rows:
+                    update(i, j)
+    else:
+        for i in rows:
+            for j in range(m):
+                if j != i:
+                    update(i, j)
+    return theta, v
+
+
+PROXES = {
+    "scad": lambda d: scad_prox(d, lam=0.6, rho=1.3, xi=1e-3, a=3.7),
+    "l1": lambda d: group_soft_threshold(d, 0.2 / 1.3),
+}
+
+
+@pytest.mark.parametrize("mode", ["once", "official_sequential"])
+@pytest.mark.parametrize("penalty", ["scad", "l1"])
+def test_vectorised_pair_update_equals_per_pair_loop(mode, penalty):
+    W, theta, v = _random_state()
+    rows = [1, 3, 4]
+    prox = PROXES[penalty]
+    # the random δ norms must cover several SCAD regions for the comparison to mean something
+    r = torch.linalg.vector_norm(W[1] - W + v[1] / 1.3, dim=-1)
+    assert (r < 0.6 + 0.6 / 1.3).any() or (r < 2.22).any()
+    assert (r > 3.7 * 0.6).any()
+    ref_theta, ref_v = _loop_reference(W, theta, v, rows, prox, 1.3, mode)
+    t, vv = theta.clone(), v.clone()
+    pair_update(W, t, vv, rows, prox, 1.3, mode)
+    torch.testing.assert_close(t, ref_theta)
+    torch.testing.assert_close(vv, ref_v)
+    # antisymmetry and zero diagonal are kept exactly
+    assert torch.equal(t, -t.transpose(0, 1)) and torch.equal(vv, -vv.transpose(0, 1))
+    assert not t[range(6), range(6)].any() and not vv[range(6), range(6)].any()
+    # pairs with neither end sampled are untouched
+    for i, j in [(0, 2), (0, 5), (2, 5), (5, 0)]:
+        assert torch.equal(t[i, j], theta[i, j]) and torch.equal(vv[i, j], v[i, j])
+    # and pairs touching the sampled set did change
+    assert not torch.equal(t[1, 0], theta[1, 0]) and not torch.equal(vv[0, 3], v[0, 3])
+
+
+def test_sequential_differs_from_once_only_inside_the_sampled_set():
+    W, theta, v = _random_state(seed=3)
+    a_t, a_v, b_t, b_v = theta.clone(), v.clone(), theta.clone(), v.clone()
+    pair_update(W, a_t, a_v, [1, 3], PROXES["scad"], 1.3, "once")
+    pair_update(W, b_t, b_v, [1, 3], PROXES["scad"], 1.3, "official_sequential")
+    assert not torch.allclose(a_v[1, 3], b_v[1, 3])            # updated twice sequentially
+    torch.testing.assert_close(a_v[1, 0], b_v[1, 0])          # (1, 0): once in both
+
+
+def test_zeta_equals_direct_formula():
+    W, theta, v = _random_state(m=7, p=4, seed=1)
+    rows = torch.tensor([0, 2, 6])
+    got = zeta(W, theta, v, rows, rho=0.7)
+    for pos, i in enumerate(rows.tolist()):
+        direct = sum(W[j] + theta[i, j] - v[i, j] / 0.7 for j in range(7)) / 7
+        torch.testing.assert_close(got[pos], direct)
+
+
+# ---- engine integration ------------------------------------------------------------------------
+
+def test_communication_is_one_model_each_way_per_sampled_device():
+    sim = Simulator(synthetic_config(federation__rounds=2))
+    sim.run()
+    p = 60 * 10 + 10
+    assert sim.method.theta.shape == (20, 20, p)
+    for up, down in sim.ledger.per_round:
+        assert up == down == 6 * p * 4
+
+
+def test_server_state_antisymmetric_and_untouched_rows_after_a_round():
+    sim = Simulator(synthetic_config(federation__rounds=1))
+    sim.run()
+    method = sim.method
+    sampled = set(sim.sample(0))
+    assert torch.equal(method.theta, -method.theta.transpose(0, 1))
+    assert torch.equal(method.v, -method.v.transpose(0, 1))
+    others = [i for i in range(20) if i not in sampled]
+    # pairs between two unsampled devices are still at their initial value (0)
+    assert not method.theta[others][:, others].any() and not method.v[others][:, others].any()
+    assert method.theta[sorted(sampled)].abs().sum() > 0
+    # the server's copy of w is the device's own model
+    for cid in range(20):
+        own = torch.cat([t.reshape(-1) for t in sim.client(cid).state["w"].values()])
+        assert torch.equal(method.W[cid], own)
+
+
+def test_fpfc_finds_the_true_clusters_and_beats_fedavg():
+    # 20 devices of S1's generator at 30 % of the sizes: 4 clusters from round ~100 on (FedAvg ~39 %)
+    cfg = synthetic_config(**{"data.num_clients": 20, "data.params.size_scale": 0.3,
+                              "federation.rounds": 150, "federation.clients_per_round": 10,
+                              "federation.eval_every": 150, "method.lam": 0.8})
+    sim = Simulator(cfg)
+    sim.run()
+    final = sim.history[-1]
+    assert final["cluster/num"] == 4
+    assert final["cluster/ari"] >= 0.95
+    assert final["fpfc/theta_max_within"] < final["fpfc/theta_min_between"]
+    fedavg = Simulator(cfg.replace({"method.name": "fedavg"}))
+    fedavg.run()
+    assert final["test/acc_mean"] > fedavg.history[-1]["test/acc_mean"] + 0.1
+    assert final["fpfc/readout_acc"] > fedavg.history[-1]["test/acc_mean"] + 0.1
+
+
+def test_fpfc_l1_runs_and_is_the_l1_configuration():
+    sim = Simulator(synthetic_config(method__name="fpfc_l1", federation__rounds=4, federation__eval_every=2))
+    assert sim.method.hp.penalty == "l1" and sim.method.hp.lam == 0.2 and sim.method.hp.nu == 4.0
+    sim.run()
+    last = sim.history[-1]
+    assert np.isfinite(last["test/acc_mean"]) and last["cluster/num"] >= 1
+    # the same thing spelled as fpfc with penalty=l1 gives the identical run
+    same = Simulator(synthetic_config(method__penalty="l1", method__lam=0.2, method__nu=4.0,
+                                      federation__rounds=4, federation__eval_every=2))
+    same.run()
+    assert torch.equal(same.method.theta, sim.method.theta)
+
+
+def test_resume_continues_identically(tmp_path):
+    cfg = synthetic_config(federation__rounds=4, federation__eval_every=2)
+    straight = Simulator(cfg)
+    straight.run()
+    first = Simulator(cfg)
+    first.run(until=2)
+    first.save(tmp_path / "ckpt.pt")
+    resumed = Simulator(cfg)
+    resumed.load(tmp_path / "ckpt.pt")
+    resumed.run()
+    for name in ("W", "theta", "v"):
+        assert torch.equal(getattr(straight.method, name), getattr(resumed.method, name))
+    for key in ("test/acc_mean", "cluster/num", "comm/total_bytes", "time/sim_clock"):
+        assert straight.history[-1][key] == resumed.history[-1][key]
+
+
+def test_lambda_can_be_changed_between_rounds():
+    sim = Simulator(synthetic_config(federation__rounds=4, federation__eval_every=1))
+    sim.run(until=2)
+    sim.method.hp = dataclasses.replace(sim.method.hp, lam=0.3)
+    delta = torch.tensor([[0.5, 0.0]])   # linear region for λ = 0.3 (1 − λ/r); λ = 0.8 would shrink it to ~0
+    torch.testing.assert_close(sim.method.prox()(delta), torch.tensor([[0.2, 0.0]]))
+    sim.run()
+    assert sim.history[-1]["fpfc/lambda"] == 0.3 and sim.history[1]["fpfc/lambda"] == 0.8
+
+
+@pytest.mark.parametrize("overrides, field", [
+    ({"method.xi": 0.9, "method.lam": 0.8}, "method.xi"),
+    ({"method.xi": 0.8, "method.lam": 0.8}, "method.xi"),
+    ({"method.rho": 0.3}, "method.rho"),
+    ({"method.a": 2.0}, "method.a"),
+    ({"method.penalty": "mcp"}, "method.penalty"),
+    ({"method.pair_update": "twice"}, "method.pair_update"),
+    ({"method.nu": 0.0}, "method.nu"),
+])
+def test_bad_hyperparameters_name_the_field(overrides, field):
+    with pytest.raises(ConfigError) as err:
+        synthetic_config(**overrides)
+    assert err.value.field == field
+
+
+def test_l1_ignores_scad_constraints():
+    cfg = synthetic_config(method__name="fpfc_l1", method__rho=0.3, method__xi=0.5)
+    assert cfg.method.hparams.rho == 0.3
+
+
+@pytest.mark.parametrize("stale", [False, True])
+def test_shared_body_clusters_only_the_head(stale):
+    cfg = small_config(method__name="fpfc", method__shared_layers="body", method__stale_body=stale,
+                       model__name="mlp", federation__rounds=3, federation__eval_every=3)
+    sim = Simulator(cfg)
+    sim.run()
+    method = sim.method
+    head = sum(method.template[k].numel() for k in method.clustered)
+    body = sum(t.numel() for t in method.body.values())
+    assert method.theta.shape[-1] == head and body > 0 and method.shared
+    for up, down in sim.ledger.per_round:      # ζ_i + body down, the whole model up
+        assert up == down == 5 * (head + body) * 4
+    # every device is evaluated with the shared body: current average, or its last round's
+    params = method.personal_params(sim.client(0))
+    expected = method.body if not stale else dict(zip(method.shared, [
+        t.reshape(method.body[k].shape) for k, t in zip(method.shared, torch.split(
+            method.body_of[0], [method.body[k].numel() for k in method.shared]))]))
+    for k in method.shared:
+        assert torch.equal(params[k], expected[k])
+    assert np.isfinite(sim.history[-1]["test/acc_mean"])
+
+
+def test_artifacts_table_and_plot(tmp_path):
+    sim = Simulator(synthetic_config(federation__rounds=2, federation__eval_every=1))
+    sim.run()
+    paths = sim.method.artifacts(str(tmp_path))
+    rows = (tmp_path / "fpfc_clusters.csv").read_text().strip().splitlines()
+    assert rows[0] == "client,true_cluster,found_cluster,n_train" and len(rows) == 21
+    assert any(p.endswith(".png") and (tmp_path / "fpfc_theta_norms.png").stat().st_size > 0 for p in paths)
+
+
+# ---- simulated clock and asyncFPFC --------------------------------------------------------------
+
+def test_sync_clock_is_the_sum_of_slowest_device_per_round():
+    cfg = synthetic_config(federation__rounds=3, federation__eval_every=3)
+    sim = Simulator(cfg)
+    sim.run()
+    delays = DelayModel(sim.ctx)
+    expected = sum(max(delays.tau(r, c) for c in sim.sample(r)) for r in range(3))
+    assert sim.history[-1]["time/sim_clock"] == pytest.approx(expected)
+    n = sim.data.clients[0].n_train
+    assert samples_per_update(cfg.federation, n) == 10 * n
+
+
+def test_async_fpfc_runs_event_driven_and_resumes(tmp_path):
+    cfg = synthetic_config(federation__rounds=4, federation__eval_every=2)
+    straight = AsyncSimulator(cfg)
+    straight.run()
+    clocks = [m["time/sim_clock"] for m in straight.history]
+    assert all(b >= a for a, b in zip(clocks, clocks[1:])) and clocks[0] > 0
+    assert straight.history[-1]["async/arrivals"] == 4 * 6
+    # every arrival sends one message each way; the initial dispatch sends one to every device
+    p = 610 * 4
+    assert straight.ledger.up_bytes == 24 * p
+    assert straight.ledger.down_bytes == (20 + 24) * p
+    assert torch.equal(straight.method.theta, -straight.method.theta.transpose(0, 1))
+    first = AsyncSimulator(cfg)
+    first.run(until=2)
+    first.save(tmp_path / "ckpt.pt")
+    resumed = AsyncSimulator(cfg)
+    resumed.load(tmp_path / "ckpt.pt")
+    resumed.run()
+    assert torch.equal(straight.method.theta, resumed.method.theta)
+    assert straight.history[-1]["time/sim_clock"] == resumed.history[-1]["time/sim_clock"]
+    assert straight.history[-1]["test/acc_mean"] == resumed.history[-1]["test/acc_mean"]
