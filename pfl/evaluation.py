@@ -67,6 +67,11 @@ def evaluate_clients(method: "Method", clients: Sequence["ClientHandle"], task: 
                        global_test_loss=gtest.loss, global_val_loss=gval.loss)
         rows.append(row)
     col = lambda key: np.array([r[key] for r in rows], dtype=float)  # noqa: E731
+
+    def mean(values: np.ndarray) -> float:  # nan (not a warning) when no client has that split
+        finite = values[np.isfinite(values)]
+        return float(finite.mean()) if finite.size else float("nan")
+
     n_test = col("n_test")
     metrics: dict[str, float] = {}
     metrics.update(_summary("val/loss", col("val_loss")))
@@ -77,15 +82,15 @@ def evaluate_clients(method: "Method", clients: Sequence["ClientHandle"], task: 
         if n_test.sum() > 0:
             metrics["test/acc_weighted"] = float((col("test_acc") * n_test).sum() / n_test.sum())
         if glob is not None:
-            metrics["global/test_acc"] = float(np.nanmean(col("global_test_acc")))
-            metrics["global/val_acc"] = float(np.nanmean(col("global_val_acc")))
+            metrics["global/test_acc"] = mean(col("global_test_acc"))
+            metrics["global/val_acc"] = mean(col("global_val_acc"))
     else:
         metrics.update(_summary("val/rmse", np.sqrt(col("val_loss"))))
         metrics.update(_summary("test/rmse", np.sqrt(col("test_loss")), full=True))
         if glob is not None:
-            metrics["global/test_rmse"] = float(np.nanmean(np.sqrt(col("global_test_loss"))))
+            metrics["global/test_rmse"] = mean(np.sqrt(col("global_test_loss")))
     if glob is not None:
-        metrics["global/test_loss"] = float(np.nanmean(col("global_test_loss")))
+        metrics["global/test_loss"] = mean(col("global_test_loss"))
     return EvalOutput(metrics, rows)
 
 
@@ -116,3 +121,24 @@ def cluster_metrics(labels: Sequence[int] | np.ndarray, true: Sequence[int] | np
     if true is not None:
         out["cluster/ari"] = float(adjusted_rand_score(np.asarray(true), labels))
     return out
+
+
+def assignment_metrics(labels: Sequence[int] | np.ndarray, data) -> dict[str, float]:
+    """Cluster metrics of a per-client assignment against ``data.true_clusters``."""
+    return cluster_metrics(np.asarray(labels, dtype=int), data.true_clusters)
+
+
+def write_assignment_table(outdir: str, filename: str, labels: Sequence[int], data) -> str:
+    """CSV of a final assignment: client, true cluster (-1 when unknown), found cluster, n_train."""
+    import csv
+    import os
+
+    path = os.path.join(outdir, filename)
+    true = data.true_clusters
+    with open(path, "w", newline="") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(["client", "true_cluster", "found_cluster", "n_train"])
+        for cid, label in enumerate(labels):
+            writer.writerow([cid, -1 if true is None else int(true[cid]), int(label),
+                             len(data.clients[cid].y_train)])
+    return path

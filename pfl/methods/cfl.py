@@ -42,11 +42,11 @@ import torch
 from ..aggregation import weighted_average
 from ..federation.messages import Message
 from ..models.functional import flatten_params, unflatten_params
+from ..evaluation import assignment_metrics, write_assignment_table
 from ..schema import hp
 from ..training import Params
 from . import register
 from .base import ClientHandle, Method
-from .ifca import assignment_metrics, write_assignment_table
 
 
 @dataclass

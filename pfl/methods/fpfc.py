@@ -56,7 +56,6 @@ Decisions where the spec is silent or leaves a choice (``[ours]``):
 
 from __future__ import annotations
 
-import csv
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -65,7 +64,7 @@ import numpy as np
 import torch
 
 from ..aggregation import weighted_average
-from ..evaluation import cluster_metrics, connected_components
+from ..evaluation import cluster_metrics, connected_components, write_assignment_table
 from ..federation.messages import Message
 from ..models import flatten_params, layer_groups, unflatten_params
 from ..prox import group_soft_threshold, scad_prox
@@ -349,16 +348,8 @@ class FPFC(Method):
     def artifacts(self, outdir: str) -> list[str]:
         out = Path(outdir)
         labels = self.clusters() if self.last_labels is None else self.last_labels
-        true = self.ctx.data.true_clusters
-        m = self.ctx.num_clients
-        table = out / "fpfc_clusters.csv"
-        with table.open("w", newline="") as fh:
-            writer = csv.writer(fh)
-            writer.writerow(["client", "true_cluster", "found_cluster", "n_train"])
-            for cid in range(m):
-                writer.writerow([cid, -1 if true is None else int(true[cid]), int(labels[cid]),
-                                 self.ctx.data.clients[cid].n_train])
-        return [str(table), str(self.plot_distances(out / "fpfc_theta_norms.png"))]
+        table = write_assignment_table(outdir, "fpfc_clusters.csv", labels, self.ctx.data)
+        return [table, str(self.plot_distances(out / "fpfc_theta_norms.png"))]
 
     def plot_distances(self, path: str | Path) -> Path:
         import matplotlib

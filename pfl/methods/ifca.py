@@ -25,8 +25,6 @@ Decisions where the spec is silent or we deviate from the FPFC repository (fpfc.
 
 from __future__ import annotations
 
-import csv
-import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -34,31 +32,12 @@ import numpy as np
 import torch
 
 from ..aggregation import weighted_average
-from ..evaluation import cluster_metrics
+from ..evaluation import assignment_metrics, write_assignment_table
 from ..federation.messages import Message
 from ..schema import hp
 from ..training import Params, evaluate
 from . import register
 from .base import ClientHandle, Method
-
-
-# ---- shared by the clustered baselines (IFCA, CFL, PACFL) ------------------------------------------
-
-def write_assignment_table(outdir: str, filename: str, labels: Sequence[int], data) -> str:
-    """CSV of the final assignment: client, true cluster (-1 when unknown), found cluster, n_train."""
-    path = os.path.join(outdir, filename)
-    true = data.true_clusters
-    with open(path, "w", newline="") as fh:
-        writer = csv.writer(fh)
-        writer.writerow(["client", "true_cluster", "found_cluster", "n_train"])
-        for cid, label in enumerate(labels):
-            writer.writerow([cid, -1 if true is None else int(true[cid]), int(label),
-                             len(data.clients[cid].y_train)])
-    return path
-
-
-def assignment_metrics(labels: Sequence[int], data) -> dict[str, float]:
-    return cluster_metrics(np.asarray(labels, dtype=int), data.true_clusters)
 
 
 def index_tensor(index: int, num: int) -> torch.Tensor:

@@ -46,13 +46,12 @@ import numpy as np
 import torch
 
 from ..aggregation import weighted_average
-from ..evaluation import relabel
+from ..evaluation import assignment_metrics, relabel, write_assignment_table
 from ..federation.messages import Message
 from ..schema import hp
 from ..training import Params
 from . import register
 from .base import ClientHandle, Method
-from .ifca import assignment_metrics, write_assignment_table
 
 
 @dataclass
