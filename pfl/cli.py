@@ -7,7 +7,7 @@ import logging
 import sys
 from typing import Sequence
 
-from .schema import ConfigError, describe
+from .schema import ConfigError, describe, flatten
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -18,7 +18,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
     overrides = list(args.set or [])
     if args.no_track:
         overrides.append("tracking.enabled=false")
-    cfg = config_mod.load(args.config, overrides)  # validates everything before any work
+    if args.scenario:  # scenario values first; the config file and --set override them
+        from .tune.space import load_scenario
+
+        raw = config_mod.apply_overrides({}, load_scenario(args.scenario))
+        if args.config:
+            raw = config_mod.apply_overrides(raw, flatten(config_mod.read_yaml(args.config)))
+        cfg = config_mod.resolve(config_mod.apply_overrides(raw, overrides))
+    else:
+        cfg = config_mod.load(args.config, overrides)  # validates everything before any work
     if args.print_config:
         print(cfg.to_yaml())
         return 0
@@ -85,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--set", nargs="+", metavar="KEY=VALUE", action="extend",
                      help="dotted overrides, e.g. method.name=fedprox method.mu=0.1 federation.rounds=20")
     run.add_argument("--no-track", action="store_true", help="do not log to MLflow")
+    run.add_argument("--scenario", help="start from a named scenario of search_spaces/scenarios.yaml "
+                                        "(e.g. fpfc_s1, fmnist_labelswap)")
     run.add_argument("--checkpoint", help="checkpoint file (saved every federation.checkpoint_every rounds and at the end)")
     run.add_argument("--resume", action="store_true", help="continue from --checkpoint if it exists")
     run.add_argument("--print-config", action="store_true", help="print the resolved config and exit")

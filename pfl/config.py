@@ -83,6 +83,9 @@ class FederationConfig:
     checkpoint_every: int = hp(0, "save a checkpoint every this many rounds (0 = only on request)", low=0)
     device: str = hp("cpu", "torch device: cpu, cuda, cuda:N or auto")
     threads: int = hp(0, "torch CPU threads (0 = leave torch's default)", low=0)
+    driver: str = hp("sync", "round driver: 'sync' (sampled cohorts) or 'async' (event-driven: simulated "
+                             "device delays, the server updates on every arrival; methods with an "
+                             "asynchronous form only)", choices=("sync", "async"))
 
     def validate(self, path: str) -> None:
         dev = self.device
@@ -218,20 +221,30 @@ def resolve(raw: dict | None) -> ExperimentConfig:
     cfg = ExperimentConfig(seed=seed, data=data, model=model, method=method,
                            federation=federation, tracking=tracking)
     resolve_model_config(cfg)
+    if federation.driver == "async":
+        from .methods import get_method, list_methods
+
+        if not get_method(name).supports_async:
+            able = ", ".join(m.name for m in list_methods() if m.supports_async)
+            raise ConfigError("federation.driver", f"method {name!r} has no asynchronous form; "
+                                                   f"'async' is allowed for: {able}")
     return cfg
+
+
+def read_yaml(path: str | Path) -> dict:
+    """A config file's mapping (unvalidated)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError("config", f"no such file: {p}")
+    loaded = yaml.safe_load(p.read_text())
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ConfigError("config", f"{p} must hold a mapping at the top level")
+    return loaded or {}
 
 
 def load(path: str | Path | None = None, overrides: list[str] | dict | None = None) -> ExperimentConfig:
     """Read a YAML file (or start from the defaults), apply overrides, validate."""
-    raw: dict = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError("config", f"no such file: {p}")
-        loaded = yaml.safe_load(p.read_text())
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError("config", f"{p} must hold a mapping at the top level")
-        raw = loaded or {}
+    raw = read_yaml(path) if path is not None else {}
     return resolve(apply_overrides(raw, overrides))
 
 

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from .config import ExperimentConfig
-from .federation.simulator import DivergedError, Simulator
+from .federation.simulator import DivergedError, Simulator, simulator_for
 from .schema import flatten
 from .tracking import Tracker, load_settings
 
@@ -110,16 +110,14 @@ def log_artifacts(sim: Simulator, tracker: Tracker) -> None:
 
 def run_experiment(cfg: ExperimentConfig, *, progress: Callable[[str], None] | None = print,
                    tracker: Tracker | None = None, checkpoint: str | Path | None = None,
-                   resume: bool = False, data=None,
-                   simulator_cls: type[Simulator] | None = None) -> RunSummary:
+                   resume: bool = False, data=None) -> RunSummary:
     """Train one experiment, logging to MLflow unless ``cfg.tracking.enabled`` is false.
 
     With ``checkpoint`` set, the state is saved there every ``federation.checkpoint_every`` rounds
     and at the end; ``resume=True`` continues from it (and from its MLflow run).
-    ``simulator_cls`` runs another driver of the same interface (e.g. the event-driven
-    :class:`pfl.federation.async_clock.AsyncSimulator`).
+    The round driver is the one ``federation.driver`` names.
     """
-    sim = (simulator_cls or Simulator)(cfg, data=data)
+    sim = simulator_for(cfg)(cfg, data=data)
     ckpt = Path(checkpoint) if checkpoint else None
     run_id = None
     if resume and ckpt is not None and ckpt.is_file():

@@ -14,7 +14,7 @@ with a note):
 * ``fpfc_l1``    group-lasso fusion, README λ = 0.2, ν = 4; the table adds the ν between the
                  largest within- and smallest between-cluster ‖θ_ij‖ (any such ν recovers the
                  true clusters, when one exists);
-* ``async_fpfc`` FPFC run event-driven by :class:`pfl.federation.async_clock.AsyncSimulator`: a
+* ``async_fpfc`` FPFC with ``federation.driver=async`` (pfl/federation/async_clock.py): a
                  logged round holds 30 arrivals, so rounds compare sync and async at equal
                  numbers of device updates; ``sim clock`` is the simulated time they took;
 * ``ifca`` (K = 4), ``cfl`` (ε1/ε2 = 0.5/1.0, spec §9), ``pacfl`` (β = 4) when registered;
@@ -150,7 +150,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from pfl.config import apply_overrides, load, resolve
     from pfl.data import load_federated
-    from pfl.federation.async_clock import AsyncSimulator
     from pfl.runner import TableRun
 
     if args.threads:
@@ -192,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         raw = apply_overrides(apply_overrides(common.to_dict(), overrides), args.set)
         raw = apply_overrides(raw, {"tracking.run_name": entry})
+        if entry == "async_fpfc":
+            raw = apply_overrides(raw, {"federation.driver": "async"})
         try:
             cfg = resolve(raw)
         except ConfigError as err:
@@ -200,8 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(f"-- {entry} ({cfg.method.name})", flush=True)
         start = time.perf_counter()
-        summary = parent.run(entry, cfg, progress=None if args.quiet else print, data=data,
-                             simulator_cls=AsyncSimulator if entry == "async_fpfc" else None)
+        summary = parent.run(entry, cfg, progress=None if args.quiet else print, data=data)
         wall = time.perf_counter() - start
         final = summary.final
         row = {

@@ -4,7 +4,7 @@
     python pipelines/tune_fpfc.py --smoke               # ~2 minutes
     python pipelines/tune_fpfc.py --preset paper        # the paper's scale
     python pipelines/tune_fpfc.py --strategy separate   # only the separate strategy
-    python pipelines/tune_fpfc.py --direction ascending # the path order the paper's text describes
+    python pipelines/tune_fpfc.py --direction descending # the other path order (spec fpfc.md §4)
 
 Trials run in parallel over the other hyperparameters of search_spaces/fpfc.yaml (Optuna); each
 warmup trial walks the λ path (pfl/tune/lambda_path.py). The separate strategy trains every λ of
@@ -71,7 +71,7 @@ def run(args) -> int:
     import pandas as pd
 
     from pfl.tracking import Tracker, tracking_uri
-    from pfl.tune.fpfc_trainable import fpfc_path_trainable, plot_path
+    from pfl.tune.fpfc_trainable import fpfc_path_trainable, plot_path, stage_metrics
     from pfl.tune.lambda_path import PathSettings
     from pfl.tune.space import base_config, check_space, load_space
     from pfl.tune.sweep import parse_resources, run_sweep
@@ -126,10 +126,10 @@ def run(args) -> int:
         if warm is not None and len(warm.table):
             best_trial = best_row(warm.table)
             stages = stage_history(best_trial["mlflow_run_id"])
-            for index, stage in enumerate(stages):
-                top.log_metrics({"fpfc/lambda": stage["lambda"], "stage/val_acc": stage.get("val/acc_mean", 0.0),
-                                 "stage/test_acc": stage.get("test/acc_mean", 0.0),
-                                 "stage/clusters": stage.get("cluster/num", 0.0)}, step=index)
+            step = 0
+            for stage in stages:  # step = rounds of the path so far, as in the trial's run
+                step += int(stage.get("rounds", 0))
+                top.log_metrics(stage_metrics(stage), step=step)
             if stages:
                 top.log_artifact(plot_path(stages, out / "lambda_path.png", f"best warmup trial ({settings.direction})"))
     for row in rows:
@@ -179,11 +179,11 @@ def strategy_row(strategy: str, result, total_of) -> dict:
 
 
 def stage_history(run_id: str) -> list[dict]:
-    """The per-λ stage metrics a warmup trial logged (step = stage index)."""
+    """The per-λ stage metrics a warmup trial logged (one step per stage end)."""
     from pfl.tracking import client
 
     mc = client()
-    keys = {"fpfc/lambda": "lambda", "stage/val_acc": "val/acc_mean", "stage/test_acc": "test/acc_mean",
+    keys = {"stage/lambda": "lambda", "stage/val_acc": "val/acc_mean", "stage/test_acc": "test/acc_mean",
             "stage/clusters": "cluster/num", "stage/ari": "cluster/ari", "stage/rounds": "rounds"}
     stages: dict[int, dict] = {}
     for key, name in keys.items():

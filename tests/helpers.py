@@ -12,3 +12,21 @@ def small_config(**overrides):
     }
     base.update({k.replace("__", "."): v for k, v in overrides.items()})
     return load(None, base)
+
+
+def straight_and_resumed(cfg, ckpt_dir, stop_at: int = 2, simulator=None):
+    """Two finished simulators of ``cfg``: one run straight through, one stopped after round
+    ``stop_at``, checkpointed, loaded into a fresh simulator and run to the end."""
+    if simulator is None:
+        from pfl.federation.simulator import Simulator as simulator
+
+    straight = simulator(cfg)
+    straight.run()
+    first = simulator(cfg)
+    first.run(until=stop_at)
+    first.save(ckpt_dir / "ckpt.pt")
+    resumed = simulator(cfg)
+    resumed.load(ckpt_dir / "ckpt.pt")
+    assert resumed.round == stop_at
+    resumed.run()
+    return straight, resumed

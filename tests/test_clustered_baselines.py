@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import small_config
+from helpers import small_config, straight_and_resumed
 from pfl.federation.messages import Message
 from pfl.federation.simulator import Simulator
 from pfl.methods.cfl import bipartition, split_members
@@ -228,14 +228,7 @@ def test_bad_hyperparameters_name_the_field(method, field, value):
 ])
 def test_resume_continues_identically(tmp_path, overrides):
     cfg = clustered("label_swap", 2, 8, federation__rounds=4, **overrides)
-    whole = Simulator(cfg)
-    whole.run()
-    first = Simulator(cfg)
-    first.run(until=2)
-    first.save(tmp_path / "ckpt.pt")
-    resumed = Simulator(cfg)
-    resumed.load(tmp_path / "ckpt.pt")
-    resumed.run()
+    whole, resumed = straight_and_resumed(cfg, tmp_path)
     assert resumed.history[-1]["test/acc_mean"] == whole.history[-1]["test/acc_mean"]
     assert resumed.history[-1]["cluster/ari"] == whole.history[-1]["cluster/ari"]
     assert resumed.ledger.total_bytes == whole.ledger.total_bytes

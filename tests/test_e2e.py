@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 from mlflow.tracking import MlflowClient
 
 from helpers import small_config
@@ -68,6 +69,21 @@ def test_cli_lists_methods_and_datasets():
     assert datasets.returncode == 0
     for name in ("digits", "fmnist", "fpfc_synthetic", "dirichlet"):
         assert name in datasets.stdout
+
+
+def test_cli_scenario_then_file_then_set(tmp_path):
+    from pfl.tune.space import load_scenario
+
+    (tmp_path / "my.yaml").write_text("federation:\n  rounds: 7\n  lr: 0.3\n")
+    proc = _cli("run", str(tmp_path / "my.yaml"), "--scenario", "fpfc_s1", "--set", "federation.lr=0.02",
+                "--print-config")
+    assert proc.returncode == 0, proc.stderr
+    cfg = yaml.safe_load(proc.stdout)
+    s1 = load_scenario("fpfc_s1")
+    assert cfg["data"]["source"] == s1["data.source"] and cfg["data"]["num_clients"] == s1["data.num_clients"]
+    assert cfg["federation"]["rounds"] == 7 and cfg["federation"]["lr"] == 0.02
+    bad = _cli("run", "--scenario", "fpfc_s9", "--print-config")
+    assert bad.returncode == 2 and "scenario" in bad.stderr and "fpfc_s1" in bad.stderr
 
 
 FMNIST = "/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz"

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.func import functional_call
 
-from helpers import small_config
+from helpers import small_config, straight_and_resumed
 from pfl.aggregation import weighted_average
 from pfl.config import load
 from pfl.federation.messages import Encoded, LowRank, Message
@@ -168,15 +168,7 @@ def test_sampling_is_seeded_per_round():
 @pytest.mark.parametrize("method", ["fedavg", "local", "fedprox"])
 def test_resume_equals_uninterrupted(tmp_path, method):
     cfg = small_config(method__name=method, federation__rounds=4, federation__momentum=0.5)
-    straight = Simulator(cfg)
-    straight.run()
-    first = Simulator(cfg)
-    first.run(until=2)
-    first.save(tmp_path / "ckpt.pt")
-    resumed = Simulator(cfg)
-    resumed.load(tmp_path / "ckpt.pt")
-    assert resumed.round == 2
-    resumed.run()
+    straight, resumed = straight_and_resumed(cfg, tmp_path)
     for cid in range(straight.num_clients):
         pa = straight.method.personal_params(straight.client(cid))
         pb = resumed.method.personal_params(resumed.client(cid))

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import small_config
+from helpers import small_config, straight_and_resumed
 from pfl import lowrank
 from pfl.federation.messages import LowRank, Message
 from pfl.federation.simulator import Simulator
@@ -175,14 +175,7 @@ def test_larger_mu_gives_sparser_personal_part():
 
 def test_resume_continues_identically(tmp_path):
     cfg = fedslr_config(method__lam=1e-3, federation__rounds=4, federation__eval_every=4)
-    full = Simulator(cfg)
-    full.run()
-    part = Simulator(cfg)
-    part.run(until=2)
-    part.save(tmp_path / "ckpt.pt")
-    again = Simulator(cfg)
-    again.load(tmp_path / "ckpt.pt")
-    again.run()
+    full, again = straight_and_resumed(cfg, tmp_path)
     for name, value in full.method.global_model.items():
         torch.testing.assert_close(again.method.global_model[name], value, rtol=0, atol=0)
     assert full.ledger.down_bytes == again.ledger.down_bytes

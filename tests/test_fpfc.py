@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import small_config
+from helpers import small_config, straight_and_resumed
 from pfl.config import load
 from pfl.federation.async_clock import AsyncSimulator, DelayModel, samples_per_update
 from pfl.federation.simulator import Simulator
@@ -175,14 +175,7 @@ def test_fpfc_l1_runs_and_is_the_l1_configuration():
 
 def test_resume_continues_identically(tmp_path):
     cfg = synthetic_config(federation__rounds=4, federation__eval_every=2)
-    straight = Simulator(cfg)
-    straight.run()
-    first = Simulator(cfg)
-    first.run(until=2)
-    first.save(tmp_path / "ckpt.pt")
-    resumed = Simulator(cfg)
-    resumed.load(tmp_path / "ckpt.pt")
-    resumed.run()
+    straight, resumed = straight_and_resumed(cfg, tmp_path)
     for name in ("W", "theta", "v"):
         assert torch.equal(getattr(straight.method, name), getattr(resumed.method, name))
     for key in ("test/acc_mean", "cluster/num", "comm/total_bytes", "time/sim_clock"):
@@ -265,8 +258,7 @@ def test_sync_clock_is_the_sum_of_slowest_device_per_round():
 
 def test_async_fpfc_runs_event_driven_and_resumes(tmp_path):
     cfg = synthetic_config(federation__rounds=4, federation__eval_every=2)
-    straight = AsyncSimulator(cfg)
-    straight.run()
+    straight, resumed = straight_and_resumed(cfg, tmp_path, simulator=AsyncSimulator)
     clocks = [m["time/sim_clock"] for m in straight.history]
     assert all(b >= a for a, b in zip(clocks, clocks[1:])) and clocks[0] > 0
     assert straight.history[-1]["async/arrivals"] == 4 * 6
@@ -275,12 +267,20 @@ def test_async_fpfc_runs_event_driven_and_resumes(tmp_path):
     assert straight.ledger.up_bytes == 24 * p
     assert straight.ledger.down_bytes == (20 + 24) * p
     assert torch.equal(straight.method.theta, -straight.method.theta.transpose(0, 1))
-    first = AsyncSimulator(cfg)
-    first.run(until=2)
-    first.save(tmp_path / "ckpt.pt")
-    resumed = AsyncSimulator(cfg)
-    resumed.load(tmp_path / "ckpt.pt")
-    resumed.run()
     assert torch.equal(straight.method.theta, resumed.method.theta)
     assert straight.history[-1]["time/sim_clock"] == resumed.history[-1]["time/sim_clock"]
     assert straight.history[-1]["test/acc_mean"] == resumed.history[-1]["test/acc_mean"]
+
+
+def test_async_driver_is_a_config_value():
+    from pfl.runner import run_experiment
+
+    summary = run_experiment(synthetic_config(federation__driver="async", federation__rounds=2,
+                                              federation__eval_every=1), progress=None)
+    assert summary.final["async/arrivals"] == 2 * 6 and summary.final["time/sim_clock"] > 0
+    with pytest.raises(ConfigError) as err:
+        synthetic_config(method__name="fedavg", federation__driver="async")
+    assert err.value.field == "federation.driver" and "fpfc" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        synthetic_config(federation__driver="threads")
+    assert err.value.field == "federation.driver"

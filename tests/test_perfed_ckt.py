@@ -9,7 +9,7 @@ import torch
 from sklearn.metrics import adjusted_rand_score
 from torch.func import functional_call
 
-from helpers import small_config
+from helpers import small_config, straight_and_resumed
 from pfl.federation.messages import Message
 from pfl.federation.simulator import Simulator
 from pfl.methods.perfed_ckt import assign_architectures, regulariser
@@ -177,14 +177,7 @@ def test_architecture_assignment_balanced_and_seeded():
 def test_artifacts_and_resume(tmp_path):
     cfg = ckt_config(data__num_clients=6, federation__clients_per_round=3, federation__rounds=4,
                      method__public_per_round=20)
-    straight = Simulator(cfg)
-    straight.run()
-    first = Simulator(cfg)
-    first.run(until=2)
-    first.save(tmp_path / "ckpt.pt")
-    resumed = Simulator(cfg)
-    resumed.load(tmp_path / "ckpt.pt")
-    resumed.run()
+    straight, resumed = straight_and_resumed(cfg, tmp_path)
     for cid in range(6):
         a = straight.method.personal_params(straight.client(cid))
         b = resumed.method.personal_params(resumed.client(cid))

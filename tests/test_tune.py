@@ -57,7 +57,7 @@ def ray_cluster():
                            env=env, capture_output=True, text=True, timeout=180)
     assert start.returncode == 0, start.stdout + start.stderr
     try:
-        yield Cluster(prefix, f"127.0.0.1:{port}" if prefix else f"auto", env)
+        yield Cluster(prefix, f"127.0.0.1:{port}" if prefix else "auto", env)
     finally:
         subprocess.run(prefix + [ray, "stop", "--force"], env=env, capture_output=True, timeout=120)
         if prefix:
@@ -237,8 +237,11 @@ def test_tune_fpfc_smoke_logs_path_table_and_best_lambda(ray_cluster, tmp_path):
     trials = [r for r in runs if r.data.tags.get("mlflow.parentRunId") in {s.info.run_id for s in sweeps}]
     warm_trials = [t for t in trials if t.data.tags.get("pfl.strategy") == "warmup"]
     assert warm_trials and all(t.info.status == "FINISHED" for t in trials)
-    lambdas = [m.value for m in mc.get_metric_history(warm_trials[0].info.run_id, "fpfc/lambda")]
-    assert lambdas and lambdas == sorted(lambdas, reverse=True)  # the default path descends
+    history = sorted(mc.get_metric_history(warm_trials[0].info.run_id, "stage/lambda"), key=lambda m: m.step)
+    lambdas = [m.value for m in history]
+    assert len(lambdas) >= 2 and lambdas == sorted(lambdas)  # the default path ascends
+    path = sorted(mc.get_metric_history(top.info.run_id, "stage/lambda"), key=lambda m: m.step)
+    assert [m.value for m in path] == lambdas  # the smoke preset has one warmup trial: the best
     top_artifacts = {a.path for a in mc.list_artifacts(top.info.run_id)}
     assert {"strategies.parquet", "lambda_path.png"} <= top_artifacts
     for sweep in sweeps:

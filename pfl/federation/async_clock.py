@@ -31,7 +31,6 @@ the hooks of an asynchronous run is the dispatch number, so learning-rate schedu
 from __future__ import annotations
 
 import heapq
-import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from ..config import FederationConfig
-from .simulator import DivergedError, Simulator
+from .simulator import Simulator
 
 
 @dataclass
@@ -136,25 +135,8 @@ class AsyncSimulator(Simulator):
                 self.method.aggregate(k, {cid: reply})
             self.arrivals += 1
             self._dispatch(cid, arrival)
-        self.ledger.close_round()
-        round_time = time.perf_counter() - start
-        self.elapsed += round_time
-        self.round += 1
-        metrics: dict[str, float] = {"round": float(rnd), "time/round_s": round_time,
-                                     "lr": self.ctx.lr(self.tick)}
-        if losses:
-            train_loss = float(np.mean(losses))
-            metrics["train/loss"] = train_loss
-            if not math.isfinite(train_loss):
-                raise DivergedError(f"round {rnd}: training loss is {train_loss}")
-        metrics.update(self.ledger.metrics())
-        if self.is_eval_round(rnd):
-            metrics.update(self.evaluate(final=self.round >= self.cfg.federation.rounds))
-        metrics["time/sim_clock"] = self.clock
-        metrics["async/arrivals"] = float(self.arrivals)
-        metrics["time/elapsed_s"] = self.elapsed
-        self.history.append(metrics)
-        return metrics
+        return self.close_round(rnd, start, losses, self.ctx.lr(self.tick),
+                                {"time/sim_clock": self.clock, "async/arrivals": float(self.arrivals)})
 
     def state_dict(self) -> dict:
         state = super().state_dict()

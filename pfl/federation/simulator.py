@@ -44,6 +44,15 @@ class DivergedError(RuntimeError):
     """Training produced a non-finite loss."""
 
 
+def simulator_for(cfg):
+    """The round driver ``cfg.federation.driver`` names."""
+    if cfg.federation.driver == "async":
+        from .async_clock import AsyncSimulator
+
+        return AsyncSimulator
+    return Simulator
+
+
 class Simulator:
     def __init__(self, cfg: ExperimentConfig, data=None, transforms: list[Transform] | None = None):
         from ..data import load_federated
@@ -113,13 +122,17 @@ class Simulator:
                 if "train_loss" in reply.info:
                     losses.append(float(reply.info["train_loss"]))
         self.method.aggregate(rnd, replies)
+        return self.close_round(rnd, start, losses, self.ctx.lr(rnd))
+
+    def close_round(self, rnd: int, start: float, losses: list[float], lr: float,
+                    extra: dict[str, float] | None = None) -> dict[str, float]:
+        """Book the finished round ``rnd``: timing, loss (a non-finite one ends the run),
+        communication, evaluation on eval rounds, ``extra``; appended to the history."""
         self.ledger.close_round()
         round_time = time.perf_counter() - start
         self.elapsed += round_time
         self.round += 1
-
-        metrics: dict[str, float] = {"round": float(rnd), "time/round_s": round_time,
-                                     "lr": self.ctx.lr(rnd)}
+        metrics: dict[str, float] = {"round": float(rnd), "time/round_s": round_time, "lr": lr}
         if losses:
             train_loss = float(np.mean(losses))
             metrics["train/loss"] = train_loss
@@ -128,6 +141,7 @@ class Simulator:
         metrics.update(self.ledger.metrics())
         if self.is_eval_round(rnd):
             metrics.update(self.evaluate(final=self.round >= self.cfg.federation.rounds))
+        metrics.update(extra or {})
         metrics["time/elapsed_s"] = self.elapsed
         self.history.append(metrics)
         return metrics

@@ -74,6 +74,8 @@ class Method:
     description: ClassVar[str] = ""
     #: attributes that make up the server state (saved in checkpoints)
     server_attrs: ClassVar[tuple[str, ...]] = ()
+    # the server step is correct for one reply at a time (federation.driver=async)
+    supports_async: ClassVar[bool] = False
 
     def __init__(self, hparams: Any, ctx: "RunContext"):
         self.hp = hparams

@@ -179,6 +179,7 @@ class FPFC(Method):
     Hparams = FPFCHparams
     description = "Fusion-penalised federated clustering, SCAD or L1 pairwise fusion (Yu et al. 2024)"
     server_attrs = ("W", "theta", "v", "body", "body_of", "n_seen", "sim_clock")
+    supports_async = True
 
     # ---- setup -------------------------------------------------------------------------------
     def setup(self) -> None:

@@ -1,9 +1,9 @@
 """Ray Tune trainable for FPFC's λ tuning: one trial = a warm-started λ path or one separate λ.
 
-Each trial is an MLflow child run. A warmup trial logs, per path stage (``step`` = stage index),
-``fpfc/lambda``, ``stage/val_acc``, ``stage/test_acc``, ``stage/clusters``, ``stage/ari``,
-``stage/rounds``; per round (``step`` = rounds executed so far, monotone across stages) the usual
-metrics; and at the end the stage table (CSV) and the λ-path plot (PNG). Both kinds report
+Each trial is an MLflow child run. Its ``step`` is the number of rounds executed so far (monotone
+across stages): per round the usual metrics with ``fpfc/lambda``; at the end of every path stage
+of a warmup trial ``stage/lambda``, ``stage/val_acc``, ``stage/test_acc``, ``stage/clusters``,
+``stage/ari``, ``stage/rounds``; at the end the stage table (CSV) and the λ-path plot (PNG). Both kinds report
 ``fpfc/selected_lambda``, ``fpfc/total_rounds`` and the final model's metrics to Tune.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..federation.simulator import DivergedError, Simulator
+from ..federation.simulator import DivergedError, simulator_for
 from ..runner import log_artifacts
 from .lambda_path import PathSettings, separate_run, warmup_path
 from .trainable import start_tracker, trial_config
@@ -50,6 +50,13 @@ def plot_path(stages: list[dict], path: Path, title: str = "") -> Path:
     return path
 
 
+def stage_metrics(stage: dict) -> dict[str, float]:
+    """A path stage as MLflow metrics (``stage/*``)."""
+    names = {"lambda": "stage/lambda", "val/acc_mean": "stage/val_acc", "test/acc_mean": "stage/test_acc",
+             "cluster/num": "stage/clusters", "cluster/ari": "stage/ari", "rounds": "stage/rounds"}
+    return {name: float(stage[key]) for key, name in names.items() if key in stage}
+
+
 def write_stages(stages: list[dict], path: Path) -> Path:
     keys = sorted({k for s in stages for k in s}, key=lambda k: (k != "lambda", k))
     with path.open("w", newline="") as fh:
@@ -70,7 +77,7 @@ def fpfc_path_trainable(config: dict[str, Any], setup: dict[str, Any]) -> None:
     cfg.federation.eval_every = settings.eval_every
     cfg.federation.rounds = 10**9  # rounds are driven by the path, never by this cap
     torch.set_num_threads(cfg.federation.threads)
-    sim = Simulator(cfg)
+    sim = simulator_for(cfg)(cfg)
     tracker = start_tracker(setup, cfg, None)
     executed = [0]
 
@@ -79,11 +86,7 @@ def fpfc_path_trainable(config: dict[str, Any], setup: dict[str, Any]) -> None:
         executed[0] += 1
 
     def on_stage(index: int, stage: dict) -> None:
-        tracker.log_metrics({"fpfc/lambda": stage["lambda"], "stage/val_acc": stage.get("val/acc_mean", 0.0),
-                             "stage/test_acc": stage.get("test/acc_mean", 0.0),
-                             "stage/clusters": stage.get("cluster/num", 0.0),
-                             "stage/ari": stage.get("cluster/ari", 0.0), "stage/rounds": stage["rounds"]},
-                            step=index)
+        tracker.log_metrics(stage_metrics(stage), step=executed[0])
         tune.report({"stage": index, "fpfc/lambda": stage["lambda"], "val/acc_mean": stage["val/acc_mean"],
                      "rounds_so_far": executed[0], "mlflow_run_id": tracker.run_id or ""})
 

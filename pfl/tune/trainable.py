@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..config import apply_overrides, resolve
-from ..federation.simulator import DivergedError, Simulator
+from ..federation.simulator import DivergedError, Simulator, simulator_for
 from ..runner import config_params, log_artifacts
 from ..tracking import Tracker
 
@@ -100,7 +100,7 @@ def federated_trainable(config: dict[str, Any], setup: dict[str, Any]) -> None:
     os.environ.update(setup.get("env", {}))
     cfg = trial_config(config, setup)
     torch.set_num_threads(cfg.federation.threads)
-    sim = Simulator(cfg)
+    sim = simulator_for(cfg)(cfg)
     restored_run_id = None
     checkpoint = tune.get_checkpoint()
     if checkpoint is not None:
