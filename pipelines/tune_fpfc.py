@@ -72,7 +72,8 @@ def run(args) -> int:
 
     from pfl.tracking import Tracker, tracking_uri
     from pfl.tune.fpfc_trainable import fpfc_path_trainable, plot_path, stage_metrics
-    from pfl.tune.lambda_path import PathSettings
+    from pfl.config import resolve
+    from pfl.tune.lambda_path import PathSettings, require_validation
     from pfl.tune.space import base_config, check_space, load_space
     from pfl.tune.sweep import parse_resources, run_sweep
 
@@ -82,7 +83,9 @@ def run(args) -> int:
     if args.direction:
         pipeline["direction"] = args.direction
     settings = from_dict(PathSettings, pipeline, "pipeline")
-    check_space(space, base_config(space, args.set))  # everything validated before Ray starts
+    raw = base_config(space, args.set)
+    check_space(space, raw)  # everything validated before Ray starts
+    require_validation(resolve(raw))
     name = args.name or "tune_fpfc" + (f"-{preset}" if preset else "")
     resources = parse_resources(args.resources)
 

@@ -284,3 +284,26 @@ def test_async_driver_is_a_config_value():
     with pytest.raises(ConfigError) as err:
         synthetic_config(federation__driver="threads")
     assert err.value.field == "federation.driver"
+
+
+def test_lambda_path_round_budget():
+    from pfl.tune.lambda_path import PathSettings, separate_run, warmup_path
+
+    settings = PathSettings(lambdas=[0.6, 0.2, 0.4], eval_every=2, stage_cap=4, min_stage_rounds=2,
+                            tolerance=1.0, patience=5, budget=12)
+    with pytest.raises(ConfigError) as err:     # no validation split: nothing to select λ by
+        warmup_path(Simulator(synthetic_config()), settings)
+    assert err.value.field == "data.val_fraction"
+    sim = Simulator(synthetic_config(federation__rounds=10**6, data__val_fraction=0.2))
+    seen = []
+    result = warmup_path(sim, settings, on_stage=lambda i, s: seen.append((s["lambda"], sim.round)))
+    assert [lam for lam, _ in seen] == [0.2, 0.4, 0.6]          # ascending by default
+    # tolerance 1.0 ends every stage as soon as min_stage_rounds allow: 2 evaluations apart
+    assert [rounds for _, rounds in seen] == [4, 8, 12]
+    best_round = dict(seen)[result.best_lambda]
+    # the final model continues the best stage until its lineage has had `budget` rounds
+    assert sim.round == settings.budget and sim.method.hp.lam == result.best_lambda
+    assert result.total_rounds == 12 + (settings.budget - best_round)
+    fresh = Simulator(synthetic_config(federation__rounds=10**6, data__val_fraction=0.2))
+    stage = separate_run(fresh, 0.4, settings)
+    assert stage["rounds"] == settings.budget == fresh.round      # no early stop for separate runs

@@ -57,6 +57,13 @@ class PathSettings:
         return sorted(self.lambdas, reverse=self.direction == "descending")
 
 
+def require_validation(cfg) -> None:
+    """Both strategies choose λ by validation accuracy: the clients need a validation split."""
+    if not cfg.data.val_fraction > 0:
+        raise ConfigError("data.val_fraction", "λ tuning selects by validation accuracy; set a fraction "
+                                               f"in (0, 1), got {cfg.data.val_fraction}")
+
+
 def set_lambda(sim, lam: float) -> None:
     """Change λ of a live FPFC run (method hyperparameters and the config kept in step)."""
     new = dataclasses.replace(sim.method.hp, lam=float(lam))
@@ -107,6 +114,7 @@ class PathResult:
 def warmup_path(sim, settings: PathSettings, on_stage: Callable[[int, Stage], None] | None = None,
                 on_eval: Callable[[dict], None] | None = None) -> PathResult:
     """The warm-started λ path on a fresh simulator, then the best λ continued to the budget."""
+    require_validation(sim.cfg)
     started = time.perf_counter()
     stages: list[Stage] = []
     best_val, best_state, best_lambda, best_metrics, below = -1.0, None, None, {}, 0
@@ -142,6 +150,7 @@ def warmup_path(sim, settings: PathSettings, on_stage: Callable[[int, Stage], No
 def separate_run(sim, lam: float, settings: PathSettings,
                  on_eval: Callable[[dict], None] | None = None) -> Stage:
     """One λ from scratch for the full budget (the separate strategy's unit of work)."""
+    require_validation(sim.cfg)
     t0 = time.perf_counter()
     set_lambda(sim, lam)
     metrics = train_until_converged(sim, settings, settings.budget, on_eval, stop_early=False)
