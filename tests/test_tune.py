@@ -40,9 +40,55 @@ class Cluster:
         return proc.returncode, out
 
 
+def _processes_of(temp_dir: str, ns: str | None) -> list[int]:
+    """PIDs of this test cluster only: the processes in its network namespace, those whose command
+    line names its private temp dir, and their descendants (workers rename themselves ``ray::...``).
+    ``ray stop`` would kill every Ray process of the machine, a user's running sweep included."""
+    parent, roots = {}, set()
+    if ns:
+        out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout
+        roots |= {int(pid) for pid in out.split()}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            stat = (proc / "stat").read_text()
+            cmdline = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        pid = int(proc.name)
+        parent[pid] = int(stat.rsplit(")", 1)[1].split()[1])
+        if temp_dir.encode() in cmdline:
+            roots.add(pid)
+    found, changed = set(roots), True
+    while changed:
+        kids = {pid for pid, ppid in parent.items() if ppid in found} - found
+        found |= kids
+        changed = bool(kids)
+    mine, pid = set(), os.getpid()
+    while pid > 1 and pid not in mine:  # never this process or the ones that started it
+        mine.add(pid)
+        pid = parent.get(pid, 1)
+    return sorted(found - mine)
+
+
+def _stop_cluster(temp_dir: str, ns: str | None) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        pids = _processes_of(temp_dir, ns)
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.time() + 15
+        while pids and time.time() < deadline and _processes_of(temp_dir, ns):
+            time.sleep(0.5)
+
+
 @pytest.fixture(scope="session")
-def ray_cluster():
+def ray_cluster(tmp_path_factory):
     ns = f"pfltest{os.getpid()}"
+    temp_dir = f"/tmp/pflray{os.getpid()}"  # short: Ray's socket paths live below it
     prefix: list[str] = []
     if os.geteuid() == 0 and shutil.which("ip"):
         if subprocess.run(["ip", "netns", "add", ns], capture_output=True).returncode == 0:
@@ -53,15 +99,17 @@ def ray_cluster():
     env.update(RAY_AUTH_MODE="token", PYTHONUNBUFFERED="1")
     ray = shutil.which("ray") or str(Path(sys.executable).parent / "ray")
     start = subprocess.run(prefix + [ray, "start", "--head", f"--port={port}", "--num-cpus=2",
-                                     "--include-dashboard=false", "--disable-usage-stats"],
+                                     f"--temp-dir={temp_dir}", "--include-dashboard=false",
+                                     "--disable-usage-stats"],
                            env=env, capture_output=True, text=True, timeout=180)
-    assert start.returncode == 0, start.stdout + start.stderr
     try:
-        yield Cluster(prefix, f"127.0.0.1:{port}" if prefix else "auto", env)
+        assert start.returncode == 0, start.stdout + start.stderr
+        yield Cluster(prefix, f"127.0.0.1:{port}", env)
     finally:
-        subprocess.run(prefix + [ray, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        _stop_cluster(temp_dir, ns if prefix else None)
         if prefix:
             subprocess.run(["ip", "netns", "delete", ns], capture_output=True)
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def _store(tmp_path):
