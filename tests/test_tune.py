@@ -86,7 +86,7 @@ def _stop_cluster(temp_dir: str, ns: str | None) -> None:
 
 
 @pytest.fixture(scope="session")
-def ray_cluster(tmp_path_factory):
+def ray_cluster():
     ns = f"pfltest{os.getpid()}"
     temp_dir = f"/tmp/pflray{os.getpid()}"  # short: Ray's socket paths live below it
     prefix: list[str] = []

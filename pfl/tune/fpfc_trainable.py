@@ -3,8 +3,9 @@
 Each trial is an MLflow child run. Its ``step`` is the number of rounds executed so far (monotone
 across stages): per round the usual metrics with ``fpfc/lambda``; at the end of every path stage
 of a warmup trial ``stage/lambda``, ``stage/val_acc``, ``stage/test_acc``, ``stage/clusters``,
-``stage/ari``, ``stage/rounds``; at the end the stage table (CSV) and the λ-path plot (PNG). Both kinds report
-``fpfc/selected_lambda``, ``fpfc/total_rounds`` and the final model's metrics to Tune.
+``stage/ari``, ``stage/rounds``; at the end the stage table (CSV) and the λ-path plot (PNG).
+Both kinds report ``fpfc/selected_lambda``, ``fpfc/total_rounds`` and the final model's metrics
+to Tune.
 """
 
 from __future__ import annotations
