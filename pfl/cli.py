@@ -7,7 +7,7 @@ import logging
 import sys
 from typing import Sequence
 
-from .schema import ConfigError, describe, flatten
+from .schema import ConfigError, describe
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -18,15 +18,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     overrides = list(args.set or [])
     if args.no_track:
         overrides.append("tracking.enabled=false")
-    if args.scenario:  # scenario values first; the config file and --set override them
+    scenario = None
+    if args.scenario:
         from .tune.space import load_scenario
 
-        raw = config_mod.apply_overrides({}, load_scenario(args.scenario))
-        if args.config:
-            raw = config_mod.apply_overrides(raw, flatten(config_mod.read_yaml(args.config)))
-        cfg = config_mod.resolve(config_mod.apply_overrides(raw, overrides))
-    else:
-        cfg = config_mod.load(args.config, overrides)  # validates everything before any work
+        scenario = load_scenario(args.scenario)
+    cfg = config_mod.load(args.config, overrides, scenario)  # validates everything before any work
     if args.print_config:
         print(cfg.to_yaml())
         return 0

@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from .schema import ConfigError, check, from_dict, hp, to_dict, unknown_key_error
+from .schema import ConfigError, check, flatten, from_dict, hp, to_dict, unknown_key_error
 
 PARTITION_KINDS = ("auto", "natural", "iid", "dirichlet", "shards", "label_swap", "rotation")
 
@@ -242,9 +242,14 @@ def read_yaml(path: str | Path) -> dict:
     return loaded or {}
 
 
-def load(path: str | Path | None = None, overrides: list[str] | dict | None = None) -> ExperimentConfig:
-    """Read a YAML file (or start from the defaults), apply overrides, validate."""
+def load(path: str | Path | None = None, overrides: list[str] | dict | None = None,
+         scenario: dict[str, Any] | None = None) -> ExperimentConfig:
+    """Read a YAML file (or start from the defaults), apply overrides, validate.
+
+    ``scenario`` ({dotted key: value}) comes first; the file and then the overrides change it."""
     raw = read_yaml(path) if path is not None else {}
+    if scenario:
+        raw = apply_overrides(apply_overrides({}, scenario), flatten(raw))
     return resolve(apply_overrides(raw, overrides))
 
 

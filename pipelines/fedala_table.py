@@ -1,7 +1,7 @@
 """FedALA measurement table: FedAvg vs FedALA, ALA plugged into other methods, s and p, ALA cost.
 
     python pipelines/fedala_table.py [--rounds 10] [--max-samples 6000] [--rows fedavg fedala ...]
-                                     [--set key=value ...] [--no-tracking] [--experiment NAME]
+                                     [--set key=value ...] [--no-track] [--experiment NAME]
 
 Setting: scenario ``fmnist_dir01_20`` of search_spaces/scenarios.yaml (Fashion-MNIST, Dirichlet(0.1),
 20 clients, all participating, the 4-layer CNN, batch 10, lr 0.005, one local epoch); ``--rounds``,
@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="dotted config overrides applied to every row")
     parser.add_argument("--scenario", default="fmnist_dir01_20", help="named scenario (scenarios.yaml)")
     parser.add_argument("--experiment", help="MLflow experiment (default: mlflow.yaml's sweep_experiment)")
-    parser.add_argument("--no-tracking", action="store_true", help="do not log to MLflow")
+    parser.add_argument("--no-track", "--no-tracking", dest="no_tracking", action="store_true",
+                        help="do not log to MLflow")
     args = parser.parse_args(argv)
 
     from pfl.data import load_federated
