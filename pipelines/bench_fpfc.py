@@ -62,29 +62,21 @@ def main(argv: list[str] | None = None) -> int:
     method = sim.method
 
     timers = {"local_sgd": 0.0, "server": 0.0}
-    original_sgd = base.local_sgd
 
-    def timed_sgd(*a, **kw):
-        sync(device)
-        t0 = time.perf_counter()
-        out = original_sgd(*a, **kw)
-        sync(device)
-        timers["local_sgd"] += time.perf_counter() - t0
-        return out
-
-    def timed(hook):
+    def timed(fn, key: str):
         def wrapper(*a, **kw):
             sync(device)
             t0 = time.perf_counter()
-            out = hook(*a, **kw)
+            out = fn(*a, **kw)
             sync(device)
-            timers["server"] += time.perf_counter() - t0
+            timers[key] += time.perf_counter() - t0
             return out
         return wrapper
 
-    base.local_sgd = timed_sgd
-    method.begin_round = timed(method.begin_round)
-    method.aggregate = timed(method.aggregate)
+    original_sgd = base.local_sgd
+    base.local_sgd = timed(original_sgd, "local_sgd")
+    method.begin_round = timed(method.begin_round, "server")
+    method.aggregate = timed(method.aggregate, "server")
     rows = []
     try:
         sim.run(until=2)  # warm-up
