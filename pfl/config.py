@@ -26,7 +26,7 @@ import yaml
 
 from .schema import ConfigError, check, flatten, from_dict, hp, to_dict, unknown_key_error
 
-PARTITION_KINDS = ("auto", "natural", "iid", "dirichlet", "shards", "label_swap", "rotation")
+PARTITION_KINDS = ("auto", "natural", "iid", "dirichlet", "shards", "label_swap", "label_shift", "rotation")
 
 
 @dataclass
@@ -34,11 +34,11 @@ class PartitionConfig:
     kind: str = hp("auto", "how pooled data is split over clients; 'auto' = 'natural' for sources "
                    "that generate per-client data (fpfc_synthetic, fpfc_linear), else 'dirichlet'",
                    choices=PARTITION_KINDS)
-    alpha: float = hp(0.5, "Dirichlet concentration over labels (dirichlet; label_swap/rotation "
+    alpha: float = hp(0.5, "Dirichlet concentration over labels (dirichlet; label_swap/label_shift/rotation "
                       "split labels within the population with it; 0 = iid)", low=0.0)
     classes_per_client: int = hp(2, "labels per client (shards)", low=1)
-    num_clusters: int = hp(4, "number of true clusters (label_swap, rotation)", low=1)
-    sizes: str = hp("equal", "client sizes for iid/shards/label_swap/rotation", choices=("equal", "power_law"))
+    num_clusters: int = hp(4, "number of true clusters (label_swap, label_shift, rotation)", low=1)
+    sizes: str = hp("equal", "client sizes for iid/shards/label_swap/label_shift/rotation", choices=("equal", "power_law"))
     power: float = hp(1.5, "power-law exponent of client sizes (sizes=power_law)", low=0.0, low_open=True)
     min_samples: int = hp(10, "minimum number of samples per client (Dirichlet redraws/repairs below it)", low=1)
 

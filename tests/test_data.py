@@ -22,7 +22,7 @@ from pfl.data import partition as partition_mod
 from pfl.data.idx import read_idx, write_idx
 from pfl.data.partition import dirichlet_split, rng_for, stratified_split
 from pfl.data.synthetic import FPFCSyntheticParams, generate_fpfc_synthetic
-from pfl.data.transforms import rotate_images, rotate_resampled, swap_labels
+from pfl.data.transforms import rotate_images, rotate_resampled, shift_labels, swap_labels
 from pfl.schema import ConfigError, from_dict
 
 
@@ -88,6 +88,8 @@ def test_resolve_fills_params_and_auto_kind():
      "data.partition.classes_per_client", ["10 classes"]),
     ({"source": "digits", "partition": {"kind": "label_swap", "num_clusters": 6}},
      "data.partition.num_clusters", ["2*num_clusters", "<= 5"]),
+    ({"source": "digits", "num_clients": 12, "partition": {"kind": "label_shift", "num_clusters": 11}},
+     "data.partition.num_clusters", ["label_shift", "<= 10"]),
     ({"source": "digits", "num_clients": 3, "partition": {"kind": "rotation", "num_clusters": 4}},
      "data.partition.num_clusters", ["data.num_clients"]),
     ({"source": "digits", "partition": {"kind": "dirichlet", "alpha": 0.0}}, "data.partition.alpha", ["> 0"]),
@@ -260,6 +262,19 @@ def test_label_swap_mapping_and_contiguous_clusters():
             expected[yb == lo], expected[yb == hi] = hi, lo
             assert torch.equal(ys, expected)
             assert torch.equal(getattr(b, f"x_{split}"), getattr(s, f"x_{split}"))
+
+
+def test_label_shift_moves_every_label_by_the_cluster_id():
+    base = load_federated(make_cfg(source="digits", num_clients=6, partition={"kind": "iid"}), seed=2)
+    shift = load_federated(make_cfg(source="digits", num_clients=6,
+                                    partition={"kind": "label_shift", "alpha": 0.0, "num_clusters": 3}), seed=2)
+    assert shift.true_clusters.tolist() == [0, 0, 1, 1, 2, 2]
+    for b, s in zip(base.clients, shift.clients):
+        for split in ("train", "val", "test"):
+            yb, ys = getattr(b, f"y_{split}"), getattr(s, f"y_{split}")
+            assert torch.equal(ys, (yb + s.cluster) % 10)
+            assert torch.equal(getattr(b, f"x_{split}"), getattr(s, f"x_{split}"))
+    assert shift_labels(np.arange(10), 3, 10).tolist() == [3, 4, 5, 6, 7, 8, 9, 0, 1, 2]
 
 
 def test_swap_labels_unit():

@@ -163,6 +163,24 @@ def test_heterogeneous_architectures_train_upload_evaluate_and_learn():
         assert key in final
 
 
+def test_clusters_of_shifted_labels_are_found_and_beat_unclustered_and_local():
+    # two clusters whose labels differ everywhere (y → y+1 mod 10), iid within a cluster: the
+    # all-client teacher (k=1) blends both labelings, the cluster teacher (k=2) is right
+    def final(k, lam):
+        sim = Simulator(ckt_config(
+            seed=0, method__architectures=[{"name": "mlp", "params": {"hidden": [32]}}, "cnn_fpfc"],
+            method__public_size=200, method__k=k, method__lam=lam, data__num_clients=10,
+            data__partition__kind="label_shift", data__partition__alpha=0.0, data__partition__num_clusters=2,
+            data__test_fraction=0.3, federation__rounds=40, federation__eval_every=40, federation__local_epochs=2))
+        sim.run()
+        return sim.history[-1]
+
+    clustered, unclustered, local = final(2, 1.0), final(1, 1.0), final(2, 0.0)
+    assert clustered["cluster/ari"] >= 0.9
+    assert clustered["test/acc_mean"] > unclustered["test/acc_mean"] + 0.03
+    assert clustered["test/acc_mean"] > local["test/acc_mean"]
+
+
 def test_architecture_assignment_balanced_and_seeded():
     n = np.array([5, 50, 500, 10, 1000, 20, 7])
     a1, s1 = assign_architectures(n, 3, np.random.default_rng(0))

@@ -20,11 +20,11 @@ from ..schema import ConfigError
 from .cache import cache_path, load_partition, partition_key, save_partition
 from .partition import CLUSTERED_KINDS, Partition, make_partition
 from .sources import REGRESSION, SourceData, list_sources, params_dict, source_spec
-from .transforms import rotate_samples, rotation_degrees, swap_labels
+from .transforms import rotate_samples, rotation_degrees, shift_labels, swap_labels
 
 log = logging.getLogger(__name__)
 
-POOLED_KINDS = ("iid", "dirichlet", "shards", "label_swap", "rotation")
+POOLED_KINDS = ("iid", "dirichlet", "shards", "label_swap", "label_shift", "rotation")
 
 
 @dataclass
@@ -155,6 +155,10 @@ def _check_pooled_kind(cfg: DataConfig, image: bool, num_classes: int) -> None:
                           f"label_swap gives cluster k the labels k and C-2-k exchanged, which are K distinct "
                           f"swaps only when num_classes >= 2*num_clusters; {cfg.source} has C = {num_classes}, "
                           f"so num_clusters must be <= {num_classes // 2}")
+    if part.kind == "label_shift" and part.num_clusters > num_classes:
+        raise ConfigError("data.partition.num_clusters",
+                          f"label_shift gives cluster k the labels (y + k) mod C, distinct only for k < C; "
+                          f"{cfg.source} has C = {num_classes}, so num_clusters must be <= {num_classes}")
     if part.kind == "rotation" and not image:
         raise ConfigError("data.partition.kind", f"rotation needs image samples; {cfg.source} has none")
     if cfg.max_samples is not None and cfg.max_samples < cfg.num_clients * part.min_samples:
@@ -173,6 +177,8 @@ def _client(src: SourceData, part: Partition, i: int, kind: str, num_clusters: i
         t = -1 if part.transforms is None else int(part.transforms[i])
         if t >= 0 and kind == "label_swap":
             y = swap_labels(y, t, src.num_classes)
+        if t >= 0 and kind == "label_shift":
+            y = shift_labels(y, t, src.num_classes)
         if t >= 0 and kind == "rotation":
             x = rotate_samples(x, rotation_degrees(t, num_clusters), src.image_shape)
         dtype = np.float32 if src.task == REGRESSION else np.int64

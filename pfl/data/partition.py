@@ -13,8 +13,9 @@ Kinds (``data.partition.kind``):
   unbounded redraw loop, which would spin forever at α = 0.01 with 100 clients);
 * ``shards``: McMahan-style pathological split, each client holding ``classes_per_client`` label
   shards, distinct labels wherever the class counts allow;
-* ``label_swap`` / ``rotation``: a Dirichlet (α > 0) or iid (α = 0) split, then K contiguous client
-  groups (client i in group ⌊i·K/m⌋) whose labels are swapped / images rotated per group
+* ``label_swap`` / ``label_shift`` / ``rotation``: a Dirichlet (α > 0) or iid (α = 0) split, then K
+  contiguous client groups (client i in group ⌊i·K/m⌋) whose labels are swapped / shifted or whose
+  images are rotated per group
   (see :mod:`pfl.data.transforms`);
 * ``natural``: the per-client source's own devices.
 
@@ -39,7 +40,7 @@ from .synthetic import contiguous_clusters
 log = logging.getLogger(__name__)
 
 DIRICHLET_REDRAWS = 10
-CLUSTERED_KINDS = ("label_swap", "rotation")
+CLUSTERED_KINDS = ("label_swap", "label_shift", "rotation")
 
 
 @dataclass
@@ -49,7 +50,7 @@ class Partition:
     val: list[np.ndarray]
     test: list[np.ndarray]
     clusters: np.ndarray | None = None    # (m,) true cluster ids, when the partition has them
-    transforms: np.ndarray | None = None  # (m,) transform id per client (label_swap/rotation group), -1 = none
+    transforms: np.ndarray | None = None  # (m,) transform id per client (its cluster in CLUSTERED_KINDS), -1 = none
 
     @property
     def num_clients(self) -> int:

@@ -3,6 +3,10 @@
 * Label swap (FPFC's MNIST/FMNIST setting): a client of cluster k sees labels k and C−2−k
   exchanged (C = 10: cluster 0 swaps 0↔8, 1: 1↔7, 2: 2↔6, 3: 3↔5). The K maps are distinct only
   while k < (C−2)/2 for k < K−1, i.e. C ≥ 2K; with C = 2K the last cluster's map is the identity.
+  Two clusters disagree on at most 4 of the C labels.
+* Label shift: a client of cluster k sees label (y + k) mod C, so any two clusters (K ≤ C) disagree
+  on every label. A concept shift for methods that exchange predictions rather than models
+  (PerFed-CKT's logits), where a 2-label swap leaves most of a mixed teacher right.
 * Rotation: a client of cluster k sees its images rotated counter-clockwise by k·360/K degrees;
   quarter turns are exact (``torch.rot90``), other angles resample bilinearly with zero padding.
 """
@@ -25,6 +29,10 @@ def swap_labels(y: np.ndarray, cluster: int, num_classes: int) -> np.ndarray:
     mapping = np.arange(num_classes)
     mapping[a], mapping[b] = b, a
     return mapping[y]
+
+
+def shift_labels(y: np.ndarray, cluster: int, num_classes: int) -> np.ndarray:
+    return (y + cluster) % num_classes
 
 
 def rotation_degrees(cluster: int, num_clusters: int) -> float:
