@@ -38,7 +38,8 @@ class PartitionConfig:
                       "split labels within the population with it; 0 = iid)", low=0.0)
     classes_per_client: int = hp(2, "labels per client (shards)", low=1)
     num_clusters: int = hp(4, "number of true clusters (label_swap, label_shift, rotation)", low=1)
-    sizes: str = hp("equal", "client sizes for iid/shards/label_swap/label_shift/rotation", choices=("equal", "power_law"))
+    sizes: str = hp("equal", "client sizes for iid/shards/label_swap/label_shift/rotation",
+                    choices=("equal", "power_law"))
     power: float = hp(1.5, "power-law exponent of client sizes (sizes=power_law)", low=0.0, low_open=True)
     min_samples: int = hp(10, "minimum number of samples per client (Dirichlet redraws/repairs below it)", low=1)
 
