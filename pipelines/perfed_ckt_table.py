@@ -17,7 +17,7 @@ assigned by data size × random score):
 
 Every run is a child MLflow run of one parent run, which gets the table (CSV + text) and the headline
 numbers. Communication is what the simulator's ledger counted (uplink + downlink, all rounds).
-Runs are shrunk (data.max_samples, rounds) so the table finishes in about 8 minutes on 2 CPUs.
+Runs are shrunk (data.max_samples, rounds) so the table finishes in about 6 minutes on 2 CPUs.
 """
 
 from __future__ import annotations
