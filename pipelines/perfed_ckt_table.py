@@ -40,22 +40,21 @@ LARGEST = "cnn_fedavg"
 
 
 def scenario_base(args, kind: str) -> dict:
-    dir01 = kind == "dir01"
     base = {
         "seed": args.seed,
         "data.source": "fmnist", "data.num_clients": args.clients,
-        "data.max_samples": args.max_samples if dir01 else args.cluster_max_samples,
-        "data.test_fraction": 0.2 if dir01 else args.cluster_test_fraction,
         "federation.rounds": args.rounds, "federation.clients_per_round": args.per_round,
         "federation.local_epochs": args.epochs, "federation.batch_size": 20, "federation.lr": 0.05,
         "federation.eval_every": args.rounds, "tracking.enabled": not args.no_track,
         "federation.device": args.device,
         "tracking.experiment": args.experiment, "model.name": LARGEST,
     }
-    if dir01:
-        base.update({"data.partition.kind": "dirichlet", "data.partition.alpha": 0.1})
+    if kind == "dir01":
+        base.update({"data.max_samples": args.max_samples,
+                     "data.partition.kind": "dirichlet", "data.partition.alpha": 0.1})
     else:
-        base.update({"data.partition.kind": kind, "data.partition.alpha": args.cluster_alpha,
+        base.update({"data.max_samples": args.cluster_max_samples, "data.test_fraction": args.cluster_test_fraction,
+                     "data.partition.kind": kind, "data.partition.alpha": args.cluster_alpha,
                      "data.partition.num_clusters": args.clusters})
     return base
 
