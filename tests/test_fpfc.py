@@ -307,3 +307,26 @@ def test_lambda_path_round_budget():
     fresh = Simulator(synthetic_config(federation__rounds=10**6, data__val_fraction=0.2))
     stage = separate_run(fresh, 0.4, settings)
     assert stage["rounds"] == settings.budget == fresh.round      # no early stop for separate runs
+
+
+def test_reproduce_pipeline_runs_the_label_swap_scenario_with_its_fpfc_setting():
+    import sys
+    from pathlib import Path
+
+    from pfl.tracking import client
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipelines"))
+    import reproduce_fpfc
+
+    tiny = ["data.max_samples=1000", "federation.local_epochs=1", "federation.clients_per_round=4"]
+    assert reproduce_fpfc.main(["--scenario", "fmnist_labelswap", "--rounds", "2", "--methods", "fpfc", "fedavg",
+                                "--experiment", "reproduce_labelswap", "--quiet", "--set", *tiny]) == 0
+    mc = client()
+    exp = mc.get_experiment_by_name("reproduce_labelswap")
+    runs = {r.info.run_name: r for r in mc.search_runs([exp.experiment_id])}
+    assert {"reproduce_fpfc", "fpfc", "fedavg"} <= set(runs)
+    fpfc = runs["fpfc"].data.params
+    assert (fpfc["method.lam"], fpfc["method.nu"], fpfc["method.shared_layers"]) == ("0.4", "0.25", "body")
+    assert runs["fedavg"].data.params["data.partition.kind"] == "label_swap"
+    assert "cluster/ari" in runs["fpfc"].data.metrics
+    assert reproduce_fpfc.main(["--scenario", "fmnist_labelswap", "--size-scale", "0.5"]) == 2
