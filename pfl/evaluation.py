@@ -106,6 +106,41 @@ def connected_components(adjacency: np.ndarray | torch.Tensor) -> np.ndarray:
     return relabel(labels)
 
 
+#: Kaufman & Rousseeuw's reading of the silhouette: at or below 0.25 "no substantial structure"
+MIN_SILHOUETTE = 0.25
+
+
+def silhouette_threshold(dist: np.ndarray, min_score: float = MIN_SILHOUETTE) -> float | None:
+    """The threshold ν whose components of {dist < ν} have the best silhouette on ``dist``.
+
+    The candidates are the cuts of the single-linkage hierarchy with 2 to m − 1 components
+    (components only change at its merge heights, so ν is put halfway between consecutive ones).
+    Returns None when no cut scores above ``min_score``: the distances show no clustering that a
+    threshold can read out, and the caller keeps its fixed ν.
+    """
+    from scipy.cluster.hierarchy import linkage
+    from scipy.spatial.distance import squareform
+    from sklearn.metrics import silhouette_score
+
+    dist = np.asarray(dist, dtype=float)
+    dist = (dist + dist.T) / 2
+    np.fill_diagonal(dist, 0.0)
+    m = len(dist)
+    if m < 3:
+        return None
+    heights = np.unique(linkage(squareform(dist, checks=False), "single")[:, 2])
+    best, best_nu = min_score, None
+    for low, high in zip(heights[:-1], heights[1:]):
+        nu = (low + high) / 2
+        labels = connected_components(dist < nu)
+        k = labels.max() + 1
+        if 2 <= k <= m - 1:
+            score = silhouette_score(dist, labels, metric="precomputed")
+            if score > best:
+                best, best_nu = score, float(nu)
+    return best_nu
+
+
 def relabel(labels: Sequence[int] | np.ndarray) -> np.ndarray:
     """Labels renumbered 0, 1, ... in order of first appearance (stable, comparable across runs)."""
     mapping: dict[int, int] = {}

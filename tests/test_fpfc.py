@@ -154,6 +154,13 @@ def test_fpfc_finds_the_true_clusters_and_beats_fedavg():
     assert final["cluster/num"] == 4
     assert final["cluster/ari"] >= 0.95
     assert final["fpfc/theta_max_within"] < final["fpfc/theta_min_between"]
+    assert final["fpfc/nu"] == 0.1
+    # the silhouette choice replaces ν in the metrics (here it merges the two closest clusters: on
+    # fused structure the fixed ν is the right read-out)
+    sim.method.hp = dataclasses.replace(sim.method.hp, nu_select="silhouette")
+    chosen = sim.method.extra_metrics(sim.round)
+    assert chosen["fpfc/nu"] == sim.method.readout_nu() != 0.1
+    assert chosen["cluster/num"] == len(np.unique(sim.method.clusters(chosen["fpfc/nu"]))) >= 2
     fedavg = Simulator(cfg.replace({"method.name": "fedavg"}))
     fedavg.run()
     assert final["test/acc_mean"] > fedavg.history[-1]["test/acc_mean"] + 0.1
@@ -200,6 +207,7 @@ def test_lambda_can_be_changed_between_rounds():
     ({"method.penalty": "mcp"}, "method.penalty"),
     ({"method.pair_update": "twice"}, "method.pair_update"),
     ({"method.nu": 0.0}, "method.nu"),
+    ({"method.nu_select": "gap"}, "method.nu_select"),
 ])
 def test_bad_hyperparameters_name_the_field(overrides, field):
     with pytest.raises(ConfigError) as err:
@@ -326,7 +334,29 @@ def test_reproduce_pipeline_runs_the_label_swap_scenario_with_its_fpfc_setting()
     runs = {r.info.run_name: r for r in mc.search_runs([exp.experiment_id])}
     assert {"reproduce_fpfc", "fpfc", "fedavg"} <= set(runs)
     fpfc = runs["fpfc"].data.params
-    assert (fpfc["method.lam"], fpfc["method.nu"], fpfc["method.shared_layers"]) == ("0.4", "0.25", "body")
+    assert (fpfc["method.lam"], fpfc["method.nu_select"], fpfc["method.shared_layers"]) == ("0.4", "silhouette", "body")
+    assert "fpfc/nu" in runs["fpfc"].data.metrics
     assert runs["fedavg"].data.params["data.partition.kind"] == "label_swap"
     assert "cluster/ari" in runs["fpfc"].data.metrics
     assert reproduce_fpfc.main(["--scenario", "fmnist_labelswap", "--size-scale", "0.5"]) == 2
+
+
+def test_silhouette_threshold_reads_out_blobs_and_declines_noise():
+    from pfl.evaluation import connected_components, silhouette_threshold
+    from sklearn.metrics import adjusted_rand_score
+
+    rng = np.random.default_rng(0)
+    truth = np.repeat(np.arange(4), 5)
+    # four blobs ~4 apart whose within-blob distances (~0.4) leave every device alone at ν = 0.1
+    points = rng.normal(size=(4, 8))[truth] + 0.1 * rng.normal(size=(20, 8))
+    dist = np.linalg.norm(points[:, None] - points[None], axis=-1)
+    nu = silhouette_threshold(dist)
+    assert nu is not None
+    assert adjusted_rand_score(truth, connected_components(dist < nu)) == 1.0
+    assert len(np.unique(connected_components(dist < 0.1))) == 20
+    # no structure: distances of i.i.d. Gaussian points in 50 dimensions
+    noise = rng.normal(size=(20, 50))
+    assert silhouette_threshold(np.linalg.norm(noise[:, None] - noise[None], axis=-1)) is None
+    # fused devices (zero distances) are links, not missing edges
+    fused = np.where(np.equal.outer(truth, truth), 0.0, 3.0)
+    assert adjusted_rand_score(truth, connected_components(fused < silhouette_threshold(fused))) == 1.0
