@@ -158,7 +158,8 @@ def apply_overrides(raw: dict, overrides: dict[str, Any] | list[str] | None) -> 
     """Apply ``key.sub=value`` strings (or a {dotted: value} dict) to a nested dict, in order.
 
     Changing ``method.name`` drops the previous method's hyperparameters, which would otherwise be
-    rejected as unknown fields of the new method.
+    rejected as unknown fields of the new method; hyperparameters set before any name was given are
+    kept for the method named later.
     """
     raw = copy.deepcopy(raw)
     if not overrides:
@@ -182,8 +183,10 @@ def apply_overrides(raw: dict, overrides: dict[str, Any] | list[str] | None) -> 
             raise unknown_key_error(parts[0], SECTIONS, "")
         if key == "method.name":
             current = raw.get("method") or {}
-            if current.get("name") != value:
+            if current.get("name", value) != value:
                 raw["method"] = {"name": value}
+            else:
+                raw["method"] = {**current, "name": value}
             continue
         node = raw
         for part in parts[:-1]:

@@ -36,10 +36,15 @@ def apply_preset(space, name: str | None):
     if name not in space.presets:
         raise ConfigError("--preset", f"unknown preset {name!r}; allowed: {', '.join(sorted(space.presets))}")
     preset = space.presets[name]
-    unknown = set(preset) - {"config", "pipeline", "num_samples"}
+    unknown = set(preset) - {"config", "fixed", "search", "pipeline", "num_samples"}
     if unknown:
-        raise ConfigError(f"presets.{name}", f"unknown keys {sorted(unknown)}; allowed: config, pipeline, num_samples")
+        raise ConfigError(f"presets.{name}", f"unknown keys {sorted(unknown)}; "
+                                             "allowed: config, fixed, search, pipeline, num_samples")
     space.base = {**space.base, **preset.get("config", {})}
+    space.fixed = {**space.fixed, **preset.get("fixed", {})}
+    if "search" in preset:  # a preset's search replaces the file's (an empty one: a single setting)
+        space.search = dict(preset["search"] or {})
+        space.validate(f"presets.{name}")
     space.pipeline = {**space.pipeline, **preset.get("pipeline", {})}
     space.num_samples = int(preset.get("num_samples", space.num_samples))
     return space
@@ -133,8 +138,10 @@ def run(args) -> int:
             for stage in stages:  # step = rounds of the path so far, as in the trial's run
                 step += int(stage.get("rounds", 0))
                 top.log_metrics(stage_metrics(stage), step=step)
+            playoff = stage_history(best_trial["mlflow_run_id"], "playoff/")
             if stages:
-                top.log_artifact(plot_path(stages, out / "lambda_path.png", f"best warmup trial ({settings.direction})"))
+                top.log_artifact(plot_path(stages, out / "lambda_path.png", f"best warmup trial ({settings.direction})",
+                                           playoff))
     for row in rows:
         top.log_metrics({f"{row['strategy']}/{k}": float(v) for k, v in row.items()
                          if k not in ("strategy",) and isinstance(v, (int, float))})
@@ -181,16 +188,16 @@ def strategy_row(strategy: str, result, total_of) -> dict:
     }
 
 
-def stage_history(run_id: str) -> list[dict]:
-    """The per-λ stage metrics a warmup trial logged (one step per stage end)."""
+def stage_history(run_id: str, prefix: str = "stage/") -> list[dict]:
+    """The per-λ stage metrics a warmup trial logged (one step per stage end; ``playoff/``: per finalist)."""
     from pfl.tracking import client
 
     mc = client()
-    keys = {"stage/lambda": "lambda", "stage/val_acc": "val/acc_mean", "stage/test_acc": "test/acc_mean",
-            "stage/clusters": "cluster/num", "stage/ari": "cluster/ari", "stage/rounds": "rounds"}
+    keys = {"lambda": "lambda", "val_acc": "val/acc_mean", "test_acc": "test/acc_mean",
+            "clusters": "cluster/num", "ari": "cluster/ari", "rounds": "rounds"}
     stages: dict[int, dict] = {}
     for key, name in keys.items():
-        for m in mc.get_metric_history(run_id, key):
+        for m in mc.get_metric_history(run_id, prefix + key):
             stages.setdefault(m.step, {})[name] = m.value
     return [stages[i] for i in sorted(stages)]
 

@@ -49,6 +49,11 @@ def test_config_yaml_round_trip_and_overrides(tmp_path):
     switched = again.replace(["method.name=fedavg"])
     assert switched.method.name == "fedavg" and not hasattr(switched.method.hparams, "mu")
     assert again.replace(["federation.lr=0.5"]).federation.lr == 0.5
+    # values given before any method name (a scenario, a preset) survive the name set later
+    from pfl.config import apply_overrides
+    raw = apply_overrides(apply_overrides({}, {"method.init_std": 1.0}), {"method.name": "fpfc"})
+    assert raw["method"] == {"name": "fpfc", "init_std": 1.0}
+    assert apply_overrides(raw, {"method.name": "fedavg"})["method"] == {"name": "fedavg"}
 
 
 def test_cli_rejects_bad_config_before_training(tmp_path):

@@ -317,6 +317,30 @@ def test_lambda_path_round_budget():
     assert stage["rounds"] == settings.budget == fresh.round      # no early stop for separate runs
 
 
+def test_lambda_path_playoff_continues_the_best_stages_from_their_own_states():
+    from pfl.tune.lambda_path import PathSettings, warmup_path
+
+    settings = PathSettings(lambdas=[0.2, 0.4, 0.6], eval_every=2, stage_cap=4, min_stage_rounds=2,
+                            tolerance=1.0, patience=5, finalists=2, playoff_rounds=3, budget=20)
+    sim = Simulator(synthetic_config(federation__rounds=10**6, data__val_fraction=0.2))
+    stages, rounds_seen = [], []
+    result = warmup_path(sim, settings, on_stage=lambda i, s: stages.append((s["val/acc_mean"], s["lambda"])),
+                         on_eval=lambda m: rounds_seen.append(sim.round))
+    end_of = {0.2: 4, 0.4: 8, 0.6: 12}
+    finalists = [lam for _, lam in sorted(stages, key=lambda s: -s[0])[:2]]
+    playoff = result.extra["playoff"]
+    assert [m["lambda"] for m in playoff] == finalists and all(m["rounds"] == 3 for m in playoff)
+    # each finalist restarts from its own path state: rounds r+1..r+3 after the path's 1..12
+    expected = list(range(1, 13))
+    for lam in finalists:
+        expected += list(range(end_of[lam] + 1, end_of[lam] + 4))
+    winner = max(playoff, key=lambda m: m["val/acc_mean"])["lambda"]
+    assert result.best_lambda == winner and sim.method.hp.lam == winner
+    expected += list(range(end_of[winner] + 4, settings.budget + 1))
+    assert rounds_seen == expected and sim.round == settings.budget
+    assert result.total_rounds == len(expected) == 12 + 2 * 3 + settings.budget - (end_of[winner] + 3)
+
+
 def test_reproduce_pipeline_runs_the_label_swap_scenario_with_its_fpfc_setting():
     import sys
     from pathlib import Path

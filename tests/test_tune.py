@@ -170,6 +170,31 @@ def test_every_shipped_space_is_valid(path):
     check_space(space, base_config(space, smoke=True))
 
 
+def test_tune_fpfc_presets_apply_and_validate():
+    sys.path.insert(0, str(ROOT / "pipelines"))
+    from tune_fpfc import apply_preset
+
+    from pfl.config import resolve
+    from pfl.schema import from_dict
+    from pfl.tune.lambda_path import PathSettings
+
+    space = load_space(SPACES / "fpfc.yaml")
+    for name in space.presets:
+        preset = apply_preset(space, name)
+        check_space(preset, base_config(preset))
+        from_dict(PathSettings, preset.pipeline, "pipeline")
+    paper = apply_preset(space, "paper")
+    assert paper.search == {} and paper.fixed["method.rho"] == 1.0 and space.search  # the file keeps its own
+    assert resolve(base_config(paper)).method.hparams.init_std == 1.0  # the preset's start reaches the trials
+    with pytest.raises(ConfigError) as err:
+        apply_preset(space, "nope")
+    assert err.value.field == "--preset"
+    space.presets["bad"] = {"search": {"method.rho": {"type": "uniform", "low": 2, "high": 1}}}
+    with pytest.raises(ConfigError) as err:
+        apply_preset(space, "bad")
+    assert err.value.field == "presets.bad.search.method.rho.low"
+
+
 def test_resources_parse_and_reject():
     from pfl.tune.sweep import parse_resources
 
@@ -290,6 +315,11 @@ def test_tune_fpfc_smoke_logs_path_table_and_best_lambda(ray_cluster, tmp_path):
     assert len(lambdas) >= 2 and lambdas == sorted(lambdas)  # the default path ascends
     path = sorted(mc.get_metric_history(top.info.run_id, "stage/lambda"), key=lambda m: m.step)
     assert [m.value for m in path] == lambdas  # the smoke preset has one warmup trial: the best
+    # the smoke preset has a 2-finalist playoff: the selected λ is the playoff's best
+    playoff = {m.step: m.value for m in mc.get_metric_history(warm_trials[0].info.run_id, "playoff/lambda")}
+    played = {m.step: m.value for m in mc.get_metric_history(warm_trials[0].info.run_id, "playoff/val_acc")}
+    assert len(playoff) == 2 and set(playoff.values()) <= set(lambdas)
+    assert playoff[max(played, key=played.get)] == printed
     top_artifacts = {a.path for a in mc.list_artifacts(top.info.run_id)}
     assert {"strategies.parquet", "lambda_path.png"} <= top_artifacts
     for sweep in sweeps:

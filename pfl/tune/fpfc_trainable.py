@@ -3,7 +3,8 @@
 Each trial is an MLflow child run. Its ``step`` is the number of rounds executed so far (monotone
 across stages): per round the usual metrics with ``fpfc/lambda``; at the end of every path stage
 of a warmup trial ``stage/lambda``, ``stage/val_acc``, ``stage/test_acc``, ``stage/clusters``,
-``stage/ari``, ``stage/rounds``; at the end the stage table (CSV) and the λ-path plot (PNG).
+``stage/ari``, ``stage/rounds``; with a playoff, ``playoff/*`` (the same names, step = finalist);
+at the end the stage table (CSV), the playoff table and the λ-path plot (PNG).
 Both kinds report ``fpfc/selected_lambda``, ``fpfc/total_rounds`` and the final model's metrics
 to Tune.
 """
@@ -25,7 +26,7 @@ from .trainable import start_tracker, trial_config
 from ..schema import from_dict
 
 
-def plot_path(stages: list[dict], path: Path, title: str = "") -> Path:
+def plot_path(stages: list[dict], path: Path, title: str = "", playoff: list[dict] | None = None) -> Path:
     from ..plots import plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
@@ -33,6 +34,11 @@ def plot_path(stages: list[dict], path: Path, title: str = "") -> Path:
     labels = [f"{s['lambda']:g}" for s in stages]
     ax.plot(order, [s.get("val/acc_mean", float("nan")) for s in stages], marker="o", label="val acc")
     ax.plot(order, [s.get("test/acc_mean", float("nan")) for s in stages], marker="s", label="test acc")
+    if playoff:
+        where = {s["lambda"]: i for i, s in enumerate(stages)}
+        rounds = int(playoff[0].get("rounds", 0))
+        ax.scatter([where[m["lambda"]] for m in playoff], [m["val/acc_mean"] for m in playoff], marker="*",
+                   s=120, color="C3", zorder=3, label=f"val acc after {rounds} playoff rounds")
     ax.set_xticks(list(order), labels)
     ax.set_xlabel("λ (path order)")
     ax.set_ylabel("accuracy")
@@ -96,8 +102,12 @@ def fpfc_path_trainable(config: dict[str, Any], setup: dict[str, Any]) -> None:
         if strategy == "warmup":
             result = warmup_path(sim, settings, on_stage=on_stage, on_eval=on_round)
             final, stages, total, lam = result.final, result.stages, result.total_rounds, result.best_lambda
+            playoff = result.extra.get("playoff", [])
+            for index, match in enumerate(playoff):  # step = the finalist's index, best path stage first
+                tracker.log_metrics({k.replace("stage/", "playoff/"): v for k, v in stage_metrics(match).items()},
+                                    step=index)
         else:
-            lam = float(cfg.method.hparams.lam)
+            lam, playoff = float(cfg.method.hparams.lam), []
             final = separate_run(sim, lam, settings, on_eval=on_round)
             stages, total = [final], int(final["rounds"])
     except DivergedError as err:
@@ -112,8 +122,10 @@ def fpfc_path_trainable(config: dict[str, Any], setup: dict[str, Any]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if strategy == "warmup":
             tracker.log_artifact(write_stages(stages, Path(tmp) / "lambda_path.csv"))
+            if playoff:
+                tracker.log_artifact(write_stages(playoff, Path(tmp) / "lambda_playoff.csv"))
             tracker.log_artifact(plot_path(stages, Path(tmp) / "lambda_path.png",
-                                           f"FPFC λ path ({settings.direction})"), "plots")
+                                           f"FPFC λ path ({settings.direction})", playoff), "plots")
     log_artifacts(sim, tracker)
     tracker.end("FINISHED")
     tune.report(dict(summary, stage=len(stages), mlflow_run_id=tracker.run_id or "",
