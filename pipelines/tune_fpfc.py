@@ -191,14 +191,13 @@ def strategy_row(strategy: str, result, total_of) -> dict:
 def stage_history(run_id: str, prefix: str = "stage/") -> list[dict]:
     """The per-λ stage metrics a warmup trial logged (one step per stage end; ``playoff/``: per finalist)."""
     from pfl.tracking import client
+    from pfl.tune.fpfc_trainable import STAGE_METRICS
 
     mc = client()
-    keys = {"lambda": "lambda", "val_acc": "val/acc_mean", "test_acc": "test/acc_mean",
-            "clusters": "cluster/num", "ari": "cluster/ari", "rounds": "rounds"}
     stages: dict[int, dict] = {}
-    for key, name in keys.items():
-        for m in mc.get_metric_history(run_id, prefix + key):
-            stages.setdefault(m.step, {})[name] = m.value
+    for key, name in STAGE_METRICS.items():
+        for m in mc.get_metric_history(run_id, prefix + name):
+            stages.setdefault(m.step, {})[key] = m.value
     return [stages[i] for i in sorted(stages)]
 
 

@@ -339,6 +339,11 @@ def test_lambda_path_playoff_continues_the_best_stages_from_their_own_states():
     expected += list(range(end_of[winner] + 4, settings.budget + 1))
     assert rounds_seen == expected and sim.round == settings.budget
     assert result.total_rounds == len(expected) == 12 + 2 * 3 + settings.budget - (end_of[winner] + 3)
+    from pfl.schema import from_dict
+    for half, field in (({"finalists": 3}, "pipeline.playoff_rounds"), ({"playoff_rounds": 50}, "pipeline.finalists")):
+        with pytest.raises(ConfigError) as err:   # a playoff needs both settings
+            from_dict(PathSettings, half, "pipeline")
+        assert err.value.field == field
 
 
 def test_reproduce_pipeline_runs_the_label_swap_scenario_with_its_fpfc_setting():

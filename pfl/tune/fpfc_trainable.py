@@ -57,11 +57,14 @@ def plot_path(stages: list[dict], path: Path, title: str = "", playoff: list[dic
     return path
 
 
-def stage_metrics(stage: dict) -> dict[str, float]:
-    """A path stage as MLflow metrics (``stage/*``)."""
-    names = {"lambda": "stage/lambda", "val/acc_mean": "stage/val_acc", "test/acc_mean": "stage/test_acc",
-             "cluster/num": "stage/clusters", "cluster/ari": "stage/ari", "rounds": "stage/rounds"}
-    return {name: float(stage[key]) for key, name in names.items() if key in stage}
+# a stage record's keys -> the names its MLflow metrics carry after the prefix (stage/, playoff/)
+STAGE_METRICS = {"lambda": "lambda", "val/acc_mean": "val_acc", "test/acc_mean": "test_acc",
+                 "cluster/num": "clusters", "cluster/ari": "ari", "rounds": "rounds"}
+
+
+def stage_metrics(stage: dict, prefix: str = "stage/") -> dict[str, float]:
+    """A path stage (or playoff match) as MLflow metrics (``stage/*``, ``playoff/*``)."""
+    return {prefix + name: float(stage[key]) for key, name in STAGE_METRICS.items() if key in stage}
 
 
 def write_stages(stages: list[dict], path: Path) -> Path:
@@ -104,8 +107,7 @@ def fpfc_path_trainable(config: dict[str, Any], setup: dict[str, Any]) -> None:
             final, stages, total, lam = result.final, result.stages, result.total_rounds, result.best_lambda
             playoff = result.extra.get("playoff", [])
             for index, match in enumerate(playoff):  # step = the finalist's index, best path stage first
-                tracker.log_metrics({k.replace("stage/", "playoff/"): v for k, v in stage_metrics(match).items()},
-                                    step=index)
+                tracker.log_metrics(stage_metrics(match, "playoff/"), step=index)
         else:
             lam, playoff = float(cfg.method.hparams.lam), []
             final = separate_run(sim, lam, settings, on_eval=on_round)

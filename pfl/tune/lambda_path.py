@@ -69,6 +69,11 @@ class PathSettings:
             raise ConfigError(f"{path}.lambdas" if path else "lambdas", "needs at least one λ")
         if any(v <= 0 for v in self.lambdas):
             raise ConfigError(f"{path}.lambdas" if path else "lambdas", "every λ must be > 0")
+        if (self.finalists > 1) != (self.playoff_rounds > 0):
+            key = "playoff_rounds" if self.finalists > 1 else "finalists"
+            raise ConfigError(f"{path}.{key}" if path else key,
+                              f"a playoff needs finalists > 1 and playoff_rounds > 0 (or neither), got "
+                              f"finalists={self.finalists}, playoff_rounds={self.playoff_rounds}")
 
     def ordered(self) -> list[float]:
         return sorted(self.lambdas, reverse=self.direction == "descending")
