@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pandas as pd
@@ -96,7 +97,12 @@ def ray_cluster():
             subprocess.run(prefix + ["ip", "link", "set", "lo", "up"], check=True)
     port = 20000 + os.getpid() % 20000
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "MLFLOW_", "PFL_"))}
-    env.update(RAY_AUTH_MODE="token", PYTHONUNBUFFERED="1")
+    # Ray >= 2.60's `ray start` no longer creates a token: give this cluster a private one (never
+    # the user's ~/.ray/auth_token), which the drivers below find through RAY_AUTH_TOKEN_PATH
+    os.makedirs(temp_dir, exist_ok=True)
+    token_path = Path(temp_dir) / "auth_token"
+    token_path.write_text(uuid.uuid4().hex)
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_path), PYTHONUNBUFFERED="1")
     ray = shutil.which("ray") or str(Path(sys.executable).parent / "ray")
     start = subprocess.run(prefix + [ray, "start", "--head", f"--port={port}", "--num-cpus=2",
                                      f"--temp-dir={temp_dir}", "--include-dashboard=false",
