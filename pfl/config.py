@@ -83,6 +83,10 @@ class FederationConfig:
     eval_global: bool = hp(True, "also evaluate the global model when the method has one")
     checkpoint_every: int = hp(0, "save a checkpoint every this many rounds (0 = only on request)", low=0)
     device: str = hp("cpu", "torch device: cpu, cuda, cuda:N or auto")
+    client_state_device: str = hp("auto", "where per-client state waits between a client's steps: 'device' "
+                                  "(the run's device), 'cpu' (host memory, moved in for each step), or "
+                                  "'auto' (the device, unless every client's state would not fit in half "
+                                  "of its free memory)", choices=("auto", "device", "cpu"))
     threads: int = hp(0, "torch CPU threads (0 = leave torch's default)", low=0)
     driver: str = hp("sync", "round driver: 'sync' (sampled cohorts) or 'async' (event-driven: simulated "
                              "device delays, the server updates on every arrival; methods with an "

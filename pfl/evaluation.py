@@ -7,7 +7,11 @@ Metric names (stable, logged to MLflow with ``step=round``):
   (sample-weighted), ``test/loss_mean``; regression reports ``*/rmse_mean`` instead of accuracy;
 * ``global/test_acc``, ``global/test_loss``, ``global/val_acc`` — the global model (when the method
   has one) on every client's split, averaged over clients;
-* ``cluster/num``, ``cluster/ari`` — for clustering methods (see :func:`cluster_metrics`).
+* ``cluster/num``, ``cluster/ari`` — for clustering methods (see :func:`cluster_metrics`);
+* ``<name>_acc`` (``<name>_rmse``) — a method's extra evaluation models, e.g. ``fpfc/readout_acc``.
+
+Evaluation runs on each client's side (:func:`evaluate_plan`, with the models its
+:class:`~pfl.methods.base.EvalPlan` names); :func:`summarize` turns the rows into the metrics.
 """
 
 from __future__ import annotations
@@ -21,17 +25,10 @@ import torch
 from .training import evaluate
 
 if TYPE_CHECKING:
-    from .methods import ClientHandle, Method
+    from .methods.base import ClientHandle, EvalPlan
 
 
-@dataclass
-class EvalOutput:
-    metrics: dict[str, float]
-    table: list[dict[str, float]]  # one row per client
-
-
-def _summary(prefix: str, values: np.ndarray, weights: np.ndarray | None = None,
-             full: bool = False) -> dict[str, float]:
+def _summary(prefix: str, values: np.ndarray, full: bool = False) -> dict[str, float]:
     values = values[np.isfinite(values)] if values.size else values
     if values.size == 0:
         return {}
@@ -43,36 +40,43 @@ def _summary(prefix: str, values: np.ndarray, weights: np.ndarray | None = None,
     return out
 
 
-def evaluate_clients(method: "Method", clients: Sequence["ClientHandle"], task: str,
-                     eval_global: bool = True) -> EvalOutput:
-    """Evaluate each client's personalized model (and the global model) on its val/test splits."""
-    glob = method.global_params() if eval_global else None
-    rows = []
-    for client in clients:
-        params = method.personal_params(client)
-        fwd = method.eval_forward(client)
-        d = client.data
-        val = evaluate(client.model, params, d.x_val, d.y_val, task, forward=fwd)
-        test = evaluate(client.model, params, d.x_test, d.y_test, task, forward=fwd)
-        row = {"client": client.cid, "n_train": len(d.y_train), "n_test": test.n,
-               "cluster": -1 if d.cluster is None else int(d.cluster),
-               "val_loss": val.loss, "val_acc": val.acc, "test_loss": test.loss, "test_acc": test.acc}
-        if glob is not None:
-            if params is glob and fwd is None:  # same model: reuse instead of evaluating twice
-                gval, gtest = val, test
-            else:
-                gval = evaluate(client.model, glob, d.x_val, d.y_val, task)
-                gtest = evaluate(client.model, glob, d.x_test, d.y_test, task)
-            row.update(global_val_acc=gval.acc, global_test_acc=gtest.acc,
-                       global_test_loss=gtest.loss, global_val_loss=gval.loss)
-        rows.append(row)
-    col = lambda key: np.array([r[key] for r in rows], dtype=float)  # noqa: E731
+def evaluate_plan(client: "ClientHandle", plan: "EvalPlan", task: str, eval_global: bool = True) -> dict[str, float]:
+    """One client's row: its personalized model (and the global and extra models of ``plan``) on
+    its own validation and test splits. Runs client-side: only this client's data is read."""
+    d = client.data
+    params, fwd = plan.personal, plan.forward
+    val = evaluate(client.model, params, d.x_val, d.y_val, task, forward=fwd)
+    test = evaluate(client.model, params, d.x_test, d.y_test, task, forward=fwd)
+    row = {"client": client.cid, "n_train": len(d.y_train), "n_test": test.n,
+           "cluster": -1 if d.cluster is None else int(d.cluster),
+           "val_loss": val.loss, "val_acc": val.acc, "test_loss": test.loss, "test_acc": test.acc}
+    glob = plan.global_model if eval_global else None
+    if glob is not None:
+        if glob is params and fwd is None:  # the same model: reuse instead of evaluating twice
+            gval, gtest = val, test
+        else:
+            gval = evaluate(client.model, glob, d.x_val, d.y_val, task)
+            gtest = evaluate(client.model, glob, d.x_test, d.y_test, task)
+        row.update(global_val_acc=gval.acc, global_test_acc=gtest.acc,
+                   global_test_loss=gtest.loss, global_val_loss=gval.loss)
+    for name, extra in plan.extra.items():
+        res = evaluate(client.model, extra, d.x_test, d.y_test, task)
+        row[f"{name}:test_loss"] = res.loss
+        row[f"{name}:test_acc"] = res.acc
+    return row
+
+
+def summarize(rows: Sequence[dict], task: str) -> dict[str, float]:
+    """The logged metrics (see the module docstring) from every client's row."""
+    def col(key: str) -> np.ndarray:
+        return np.array([r.get(key, np.nan) for r in rows], dtype=float)
 
     def mean(values: np.ndarray) -> float:  # nan (not a warning) when no client has that split
         finite = values[np.isfinite(values)]
         return float(finite.mean()) if finite.size else float("nan")
 
     n_test = col("n_test")
+    has_global = any("global_test_loss" in r for r in rows)
     metrics: dict[str, float] = {}
     metrics.update(_summary("val/loss", col("val_loss")))
     metrics.update(_summary("test/loss", col("test_loss")))
@@ -80,18 +84,24 @@ def evaluate_clients(method: "Method", clients: Sequence["ClientHandle"], task: 
         metrics.update(_summary("val/acc", col("val_acc")))
         metrics.update(_summary("test/acc", col("test_acc"), full=True))
         if n_test.sum() > 0:
-            metrics["test/acc_weighted"] = float((col("test_acc") * n_test).sum() / n_test.sum())
-        if glob is not None:
+            metrics["test/acc_weighted"] = float(np.nansum(col("test_acc") * n_test) / n_test.sum())
+        if has_global:
             metrics["global/test_acc"] = mean(col("global_test_acc"))
             metrics["global/val_acc"] = mean(col("global_val_acc"))
     else:
         metrics.update(_summary("val/rmse", np.sqrt(col("val_loss"))))
         metrics.update(_summary("test/rmse", np.sqrt(col("test_loss")), full=True))
-        if glob is not None:
+        if has_global:
             metrics["global/test_rmse"] = mean(np.sqrt(col("global_test_loss")))
-    if glob is not None:
+    if has_global:
         metrics["global/test_loss"] = mean(col("global_test_loss"))
-    return EvalOutput(metrics, rows)
+    extras = dict.fromkeys(k.split(":")[0] for r in rows for k in r if ":" in k)
+    for name in extras:
+        if task == "classification":
+            metrics[f"{name}_acc"] = mean(col(f"{name}:test_acc"))
+        else:
+            metrics[f"{name}_rmse"] = mean(np.sqrt(col(f"{name}:test_loss")))
+    return metrics
 
 
 # ---- clustering ------------------------------------------------------------------------------
@@ -158,22 +168,21 @@ def cluster_metrics(labels: Sequence[int] | np.ndarray, true: Sequence[int] | np
     return out
 
 
-def assignment_metrics(labels: Sequence[int] | np.ndarray, data) -> dict[str, float]:
-    """Cluster metrics of a per-client assignment against ``data.true_clusters``."""
-    return cluster_metrics(np.asarray(labels, dtype=int), data.true_clusters)
+def assignment_metrics(labels: Sequence[int] | np.ndarray, meta) -> dict[str, float]:
+    """Cluster metrics of a per-client assignment against ``meta.true_clusters``."""
+    return cluster_metrics(np.asarray(labels, dtype=int), meta.true_clusters)
 
 
-def write_assignment_table(outdir: str, filename: str, labels: Sequence[int], data) -> str:
+def write_assignment_table(outdir: str, filename: str, labels: Sequence[int], meta) -> str:
     """CSV of a final assignment: client, true cluster (-1 when unknown), found cluster, n_train."""
     import csv
     import os
 
     path = os.path.join(outdir, filename)
-    true = data.true_clusters
+    true = meta.true_clusters
     with open(path, "w", newline="") as fh:
         writer = csv.writer(fh)
         writer.writerow(["client", "true_cluster", "found_cluster", "n_train"])
         for cid, label in enumerate(labels):
-            writer.writerow([cid, -1 if true is None else int(true[cid]), int(label),
-                             len(data.clients[cid].y_train)])
+            writer.writerow([cid, -1 if true is None else int(true[cid]), int(label), meta.client_sizes[cid]])
     return path

@@ -25,6 +25,7 @@ from typing import Mapping
 import torch
 
 from .federation.messages import LowRank, Message
+from .federation.state import checkpointable
 from .prox import svt
 
 Params = dict[str, torch.Tensor]
@@ -66,6 +67,7 @@ def factorized_count(rows: int, cols: int, rank: int) -> int:
     return min((rows + cols) * rank, rows * cols)
 
 
+@checkpointable
 @dataclass
 class LayerSVT:
     """One thresholded matrix tensor: its rank, its singular values and its balanced factors."""

@@ -192,6 +192,12 @@ class Tracker:
         if self.enabled:
             self._client.log_artifact(self.run_id, str(path), artifact_path)
 
+    def last_step(self, key: str) -> int:
+        """The largest step logged for metric ``key`` (0 when none)."""
+        if not self.enabled:
+            return 0
+        return max((m.step for m in self._client.get_metric_history(self.run_id, key)), default=0)
+
     def log_text(self, text: str, name: str) -> None:
         if not self.enabled:
             return

@@ -293,7 +293,8 @@ def test_fedprox_ala_resolves_with_merged_hyperparameters():
     assert (hp.mu, hp.p, hp.s, hp.eta, hp.server_lr, hp.threshold, hp.window) == (0.01, 1, 80.0, 1.0, 1.0, 0.1, 10)
     cls = get_method("fedprox+ala")
     assert issubclass(cls, get_method("fedprox")) and cls.name == "fedprox+ala"
-    assert "ala_stats" in cls.server_attrs and "global_model" in cls.server_attrs
+    sim = Simulator(cfg)
+    assert {"ala_stats", "global_model"} <= set(sim.method.server_state())
     assert get_method("fedala").Hparams().s == 80.0 and "fedala" in {m.name for m in list_methods()}
 
 

@@ -92,7 +92,7 @@ def test_scaffold_option_two_control_variate_is_the_mean_path_gradient():
     c_k = {k: 0.05 * torch.randn(v.shape, generator=gen) for k, v in method.global_model.items()}
     client.state["c"] = c_k
     theta, c = dict(method.global_model), dict(method.c)
-    reply = method.local_update(0, client, method.broadcast(0, 0))
+    reply = sim.client_role.local_update(0, client, method.broadcast(0, 0))
     # the local path by hand: y ← y − η(∇f(y) + c − c_k), full batch
     lr, y, path_grads = sim.ctx.lr(0), dict(theta), []
     x, yy = client.data.x_train, client.data.y_train
@@ -199,7 +199,7 @@ def test_ditto_lambda_zero_personal_model_is_a_local_model():
         for rnd in range(3):
             v = c.train(v, rnd, epochs=1, steps=None, tag="personal").params
         for k in v:
-            torch.testing.assert_close(sim.method.personal_params(c)[k], v[k])
+            torch.testing.assert_close(sim.personal_params(cid)[k], v[k])
 
 
 def test_ditto_large_lambda_tracks_the_global_model():
@@ -207,7 +207,7 @@ def test_ditto_large_lambda_tracks_the_global_model():
                                  federation__clients_per_round=0, federation__rounds=1))
     received = dict(sim.method.global_model)
     sim.run()
-    gap = max(float((sim.method.personal_params(sim.client(0))[k] - received[k]).abs().max()) for k in received)
+    gap = max(float((sim.personal_params(0)[k] - received[k]).abs().max()) for k in received)
     assert gap < 1e-3
 
 
@@ -217,7 +217,7 @@ def test_apfl_alpha_zero_personal_model_is_the_global_model():
     sim = Simulator(small_config(method__name="apfl", method__alpha=0.0, method__adaptive=False))
     sim.run()
     for cid in (0, 3):
-        personal = sim.method.personal_params(sim.client(cid))
+        personal = sim.personal_params(cid)
         for k, v in sim.method.global_model.items():
             assert torch.equal(personal[k], v)
 
@@ -230,7 +230,7 @@ def test_apfl_one_step_updates_w_v_and_alpha(mix):
     theta = dict(method.global_model)
     v = {k: t + 0.05 * torch.randn(t.shape, generator=torch.Generator().manual_seed(3)) for k, t in theta.items()}
     client.state["v"] = v
-    reply = method.local_update(0, client, method.broadcast(0, 1))
+    reply = sim.client_role.local_update(0, client, method.broadcast(0, 1))
     lr, a = sim.ctx.lr(0), 0.4
     x, y, model = client.data.x_train, client.data.y_train, client.model
     w_grad = _grad(model, theta, x, y)
@@ -271,7 +271,7 @@ def test_fedrep_trains_head_then_body_each_with_the_other_frozen(monkeypatch):
     method, client = sim.method, sim.client(2)
     client.state["own"] = {k: v + 0.3 for k, v in method.init_own.items()}
     msg = method.broadcast(0, 2)
-    reply = method.local_update(0, client, msg)
+    reply = sim.client_role.local_update(0, client, msg)
     assert [c[2] for c in calls] == [groups.head, groups.body]
     (in1, out1, _), (in2, out2, _) = calls
     for k in groups.body:
@@ -289,13 +289,13 @@ def test_lgfedavg_every_client_holds_the_same_head_after_aggregation():
     sim = Simulator(small_config(method__name="lgfedavg", federation__clients_per_round=5))
     sim.run()
     groups = layer_groups(sim.ctx.model)
-    personal = [sim.method.personal_params(sim.client(c)) for c in range(sim.num_clients)]
+    personal = [sim.personal_params(c) for c in range(sim.num_clients)]
     for p in personal[1:]:
         for k in groups.head:
             assert torch.equal(p[k], personal[0][k])
     trained = [c for c in range(sim.num_clients) if "own" in sim.client_states[c]]
     assert len(trained) >= 2
-    a, b = (sim.method.personal_params(sim.client(c)) for c in trained[:2])
+    a, b = (sim.personal_params(c) for c in trained[:2])
     assert any(not torch.equal(a[k], b[k]) for k in groups.body)  # bodies stay personal
 
 
@@ -339,7 +339,7 @@ def test_perfedavg_personal_model_is_one_adaptation_step():
     c = sim.client(4)
     theta = sim.method.global_model
     expected = c.train(theta, 2, lr=0.02, steps=1, tag="adapt").params
-    personal = sim.method.personal_params(c)
+    personal = sim.personal_params(4)
     assert all(torch.equal(personal[k], expected[k]) for k in theta)
     assert any(not torch.equal(personal[k], theta[k]) for k in theta)
 
@@ -366,7 +366,7 @@ def test_pfedme_inner_steps_approach_the_prox_point_and_outer_step_moves_w():
                                  federation__batch_size=0, federation__lr=eta))
     method, client = sim.method, sim.client(0)
     w0 = dict(method.global_model)
-    reply = method.local_update(0, client, method.broadcast(0, 0))
+    reply = sim.client_role.local_update(0, client, method.broadcast(0, 0))
     theta = client.state["personal"]
     # the prox point θ* = argmin f(θ) + λ/2‖θ − w‖² satisfies ∇f(θ*) + λ(θ* − w) = 0
     g = _grad(client.model, theta, client.data.x_train, client.data.y_train)

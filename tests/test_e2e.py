@@ -46,7 +46,7 @@ def test_cli_run_logs_one_finished_mlflow_run_with_measured_comm(tmp_path):
     per_round = min(cfg.federation.clients_per_round, 10)
     assert run.data.metrics["comm/total_bytes"] == 3 * per_round * 2 * d * 4
     history = mc.get_metric_history(run.info.run_id, "comm/total_bytes")
-    assert sorted(m.step for m in history) == [0, 1, 2]
+    assert sorted(m.step for m in history) == [1, 2, 3]  # step = rounds done (the console's round number)
     artifacts = {a.path for a in mc.list_artifacts(run.info.run_id)}
     assert {"config.yaml", "client_metrics.csv", "plots", "model"} <= artifacts
     plots = {a.path for a in mc.list_artifacts(run.info.run_id, "plots")}

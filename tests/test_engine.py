@@ -175,8 +175,8 @@ def test_resume_equals_uninterrupted(tmp_path, method):
     cfg = small_config(method__name=method, federation__rounds=4, federation__momentum=0.5)
     straight, resumed = straight_and_resumed(cfg, tmp_path)
     for cid in range(straight.num_clients):
-        pa = straight.method.personal_params(straight.client(cid))
-        pb = resumed.method.personal_params(resumed.client(cid))
+        pa = straight.personal_params(cid)
+        pb = resumed.personal_params(cid)
         for k in pa:
             assert torch.equal(pa[k], pb[k])
     last_a, last_b = straight.history[-1], resumed.history[-1]

@@ -233,7 +233,7 @@ def test_shared_body_clusters_only_the_head(stale):
     for up, down in sim.ledger.per_round:      # ζ_i + body down, the whole model up
         assert up == down == 5 * (head + body) * 4
     # every device is evaluated with the shared body: current average, or its last round's
-    params = method.personal_params(sim.client(0))
+    params = sim.personal_params(0)
     expected = method.body if not stale else dict(zip(method.shared, [
         t.reshape(method.body[k].shape) for k, t in zip(method.shared, torch.split(
             method.body_of[0], [method.body[k].numel() for k in method.shared]))]))
@@ -325,7 +325,7 @@ def test_lambda_path_playoff_continues_the_best_stages_from_their_own_states():
     sim = Simulator(synthetic_config(federation__rounds=10**6, data__val_fraction=0.2))
     stages, rounds_seen = [], []
     result = warmup_path(sim, settings, on_stage=lambda i, s: stages.append((s["val/acc_mean"], s["lambda"])),
-                         on_eval=lambda m: rounds_seen.append(sim.round))
+                         on_round=lambda m: rounds_seen.append(sim.round))
     end_of = {0.2: 4, 0.4: 8, 0.6: 12}
     finalists = [lam for _, lam in sorted(stages, key=lambda s: -s[0])[:2]]
     playoff = result.extra["playoff"]

@@ -132,15 +132,15 @@ def test_lambda_zero_is_local_exactly():
     ckt.run()
     assert ckt.ledger.up_bytes > 0  # it still talked, but the talk had no effect
     for cid in range(8):
-        a = local.method.personal_params(local.client(cid))
-        b = ckt.method.personal_params(ckt.client(cid))
+        a = local.personal_params(cid)
+        b = ckt.personal_params(cid)
         assert all(torch.equal(a[k], b[k]) for k in a)
     # and λ > 0 does change the models (so the comparison above can fail)
     ckt2 = Simulator(ckt_config(method__lam=1.0, method__architectures=arch, **common))
     ckt2.run()
     changed = [cid for cid in range(8)
-               if not all(torch.equal(local.method.personal_params(local.client(cid))[k], v)
-                          for k, v in ckt2.method.personal_params(ckt2.client(cid)).items())]
+               if not all(torch.equal(local.personal_params(cid)[k], v)
+                          for k, v in ckt2.personal_params(cid).items())]
     assert changed
 
 
@@ -149,11 +149,11 @@ def test_lambda_zero_is_local_exactly():
 def test_heterogeneous_architectures_train_upload_evaluate_and_learn():
     sim = Simulator(ckt_config(data__num_clients=8, federation__rounds=8, method__public_size=100))
     sim.run()
-    kinds = {type(sim.ctx.model_for(c)).__name__ for c in range(8)}
+    kinds = {type(sim.client_role.client_model(c)).__name__ for c in range(8)}
     assert kinds == {"MLP", "CNNFPFC"}
     for cid in range(8):
-        names = {n for n, _ in sim.ctx.model_for(cid).named_parameters()}
-        assert set(sim.method.personal_params(sim.client(cid))) == names
+        names = {n for n, _ in sim.client_role.client_model(cid).named_parameters()}
+        assert set(sim.personal_params(cid)) == names
     table = sim.last_client_table
     assert all(np.isfinite(r["test_acc"]) for r in table)
     final = sim.history[-1]
@@ -197,8 +197,8 @@ def test_artifacts_and_resume(tmp_path):
                      method__public_per_round=20)
     straight, resumed = straight_and_resumed(cfg, tmp_path)
     for cid in range(6):
-        a = straight.method.personal_params(straight.client(cid))
-        b = resumed.method.personal_params(resumed.client(cid))
+        a = straight.personal_params(cid)
+        b = resumed.personal_params(cid)
         assert all(torch.equal(a[k], b[k]) for k in a)
     paths = straight.method.artifacts(str(tmp_path))
     rows = list(csv.DictReader(Path(paths[1]).open()))

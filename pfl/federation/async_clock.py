@@ -77,7 +77,7 @@ class DelayModel:
         sigma = self.config.speed_sigma
         self.speed = (ctx.rng("clock", "speed").lognormal(0.0, sigma, m) if sigma > 0 else np.ones(m))
         fed = ctx.cfg.federation
-        self.work = np.array([samples_per_update(fed, c.n_train) for c in ctx.data.clients], dtype=float)
+        self.work = np.array([samples_per_update(fed, n) for n in ctx.meta.client_sizes], dtype=float)
 
     def tau(self, k: int, cid: int) -> float:
         compute = self.config.c * self.work[cid] / self.speed[cid]
@@ -117,7 +117,7 @@ class AsyncSimulator(Simulator):
         msg = self.deliver(self.method.broadcast(k, cid), "down", k, cid)
         heapq.heappush(self.queue, (now + self.delays.tau(k, cid), k, cid, msg))
 
-    def run_round(self) -> dict[str, float]:
+    def run_round(self, evaluate: bool | None = None) -> dict[str, float]:
         rnd = self.round
         start = time.perf_counter()
         if not self.started:
@@ -128,7 +128,7 @@ class AsyncSimulator(Simulator):
         for _ in range(self.arrivals_per_round):
             arrival, k, cid, msg = heapq.heappop(self.queue)
             self.clock = arrival
-            reply = self.deliver(self.method.local_update(k, self.client(cid), msg), "up", k, cid)
+            reply = self.client_step(k, cid, msg)
             if reply is not None:
                 if "train_loss" in reply.info:
                     losses.append(float(reply.info["train_loss"]))
@@ -136,19 +136,21 @@ class AsyncSimulator(Simulator):
             self.arrivals += 1
             self._dispatch(cid, arrival)
         return self.close_round(rnd, start, losses, self.ctx.lr(self.tick),
-                                {"time/sim_clock": self.clock, "async/arrivals": float(self.arrivals)})
+                                {"time/sim_clock": self.clock, "async/arrivals": float(self.arrivals)},
+                                evaluate=evaluate)
 
-    def state_dict(self) -> dict:
-        state = super().state_dict()
+    def model_state(self) -> dict:
+        # the messages in flight and the clock belong to the lineage: a restored state resumes them
+        state = super().model_state()
         state["async"] = {"clock": self.clock, "tick": self.tick, "arrivals": self.arrivals,
                           "queue": list(self.queue), "started": self.started}
         return state
 
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
+    def load_model_state(self, state: dict) -> None:
+        super().load_model_state(state)
         extra = state["async"]
         self.clock, self.tick, self.arrivals = extra["clock"], extra["tick"], extra["arrivals"]
-        self.queue = list(extra["queue"])
+        self.queue = [tuple(entry) for entry in extra["queue"]]
         heapq.heapify(self.queue)
         self.started = extra["started"]
 

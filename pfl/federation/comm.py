@@ -1,10 +1,20 @@
-"""Communication accounting: every delivered message is counted here, nowhere else."""
+"""Communication accounting: every delivered message is counted here, nowhere else.
+
+Training traffic (``up``, ``down``) and evaluation traffic (``eval_up``, ``eval_down``: the models
+a client needs to be evaluated, e.g. FedAvg's global model sent to every client at an evaluation,
+IFCA's cluster choice sent back) are booked apart, so ``comm/up_bytes``, ``comm/down_bytes`` and
+``comm/total_bytes`` compare methods by what training cost, whatever the evaluation schedule.
+Every counter is cumulative over the run and never decreases: restoring an earlier model state
+(the λ path's branches) does not touch the ledger.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from .messages import Message
+
+DIRECTIONS = ("up", "down", "eval_up", "eval_down")
 
 
 @dataclass
@@ -16,6 +26,8 @@ class CommLedger:
     down_params: int = 0
     up_messages: int = 0
     down_messages: int = 0
+    eval_up_bytes: int = 0
+    eval_down_bytes: int = 0
     round_up_bytes: int = 0
     round_down_bytes: int = 0
     per_round: list[tuple[int, int]] = field(default_factory=list)  # (up, down) bytes per finished round
@@ -23,19 +35,23 @@ class CommLedger:
     def record(self, msg: Message | None, direction: str) -> None:
         if msg is None:
             return
-        nbytes, nparams = msg.nbytes(), msg.num_params()
+        nbytes = msg.nbytes()
         if direction == "up":
             self.up_bytes += nbytes
-            self.up_params += nparams
+            self.up_params += msg.num_params()
             self.up_messages += 1
             self.round_up_bytes += nbytes
         elif direction == "down":
             self.down_bytes += nbytes
-            self.down_params += nparams
+            self.down_params += msg.num_params()
             self.down_messages += 1
             self.round_down_bytes += nbytes
+        elif direction == "eval_up":
+            self.eval_up_bytes += nbytes
+        elif direction == "eval_down":
+            self.eval_down_bytes += nbytes
         else:
-            raise ValueError(f"direction must be 'up' or 'down', got {direction!r}")
+            raise ValueError(f"direction must be one of {', '.join(DIRECTIONS)}, got {direction!r}")
 
     def close_round(self) -> None:
         self.per_round.append((self.round_up_bytes, self.round_down_bytes))
@@ -54,6 +70,8 @@ class CommLedger:
             "comm/params_sent": float(self.up_params + self.down_params),
             "comm/round_up_bytes": float(last_up),
             "comm/round_down_bytes": float(last_down),
+            "comm/eval_up_bytes": float(self.eval_up_bytes),
+            "comm/eval_down_bytes": float(self.eval_down_bytes),
         }
 
     def state_dict(self) -> dict:

@@ -1,9 +1,17 @@
-"""What a method may use of the run: config, data, model(s), device, seeded randomness."""
+"""What a method may use of the run: static config, model structure, device, seeded randomness.
+
+:class:`RunContext` holds nothing that belongs to one party. It has no client's data (a client
+step gets its own data through its :class:`~pfl.methods.base.ClientHandle`) and no server state,
+so both sides of a method can hold it. What every party may know about the federation, the task,
+the number of clients and their sizes (the simulated system's metadata: used by device-speed
+models and exogenous assignments, never by a learning rule, which learns sizes from the replies),
+and the true cluster ids (an oracle, only for metrics) is in :class:`FederationMeta`.
+"""
 
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -26,14 +34,33 @@ def derive_seed(*parts: object) -> int:
     return int(seq.generate_state(1, dtype=np.uint64)[0]) & ((1 << 63) - 1)
 
 
+@dataclass(frozen=True)
+class FederationMeta:
+    """What every party knows about the federation (no samples)."""
+    task: str                          # "classification" or "regression"
+    num_classes: int
+    input_shape: tuple[int, ...]
+    source: str
+    client_sizes: tuple[int, ...]      # training samples per client
+    true_clusters: np.ndarray | None   # oracle for cluster metrics only
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.client_sizes)
+
+    @classmethod
+    def of(cls, data: "FederatedData") -> "FederationMeta":
+        return cls(task=data.task, num_classes=data.num_classes, input_shape=tuple(data.input_shape),
+                   source=data.source, client_sizes=tuple(c.n_train for c in data.clients),
+                   true_clusters=data.true_clusters)
+
+
 @dataclass
 class RunContext:
     cfg: "ExperimentConfig"
-    data: "FederatedData"
+    meta: FederationMeta
     model: torch.nn.Module
     device: torch.device
-    #: per-client model objects where clients differ in architecture (PerFed-CKT); else ``model``
-    client_models: dict[int, torch.nn.Module] = field(default_factory=dict)
 
     @property
     def seed(self) -> int:
@@ -41,10 +68,7 @@ class RunContext:
 
     @property
     def num_clients(self) -> int:
-        return len(self.data.clients)
-
-    def model_for(self, cid: int) -> torch.nn.Module:
-        return self.client_models.get(cid, self.model)
+        return self.meta.num_clients
 
     def lr(self, rnd: int) -> float:
         fed = self.cfg.federation
@@ -60,7 +84,10 @@ class RunContext:
         return np.random.default_rng(derive_seed(self.seed, *parts))
 
     def init_params(self, *parts: object, model: torch.nn.Module | None = None) -> dict[str, torch.Tensor]:
-        """Freshly initialised parameters of ``model`` (default: the run's model), seeded by parts."""
+        """Freshly initialised parameters of ``model`` (default: the run's model), seeded by parts.
+
+        Every party can regenerate them from the run seed, so sending them costs nothing.
+        """
         from ..models.functional import init_params
 
         params = init_params(model or self.model, self.generator("init", *parts))

@@ -5,6 +5,10 @@ A :class:`Message` is a mapping of names to entries. An entry is either a tensor
 factor pair (:class:`LowRank`) or an encoded vector (:class:`Encoded`, e.g. a compressed update
 whose bit count comes from the encoding, not from the decoded dense tensor). The simulator counts
 every message it delivers, so communication is measured from what was sent.
+
+Delivery hands the receiver :meth:`Message.copy`: tensors that share no storage with what the
+sender keeps, so an in-place edit by the receiver or by a transform on the way (compression, an
+attack) can never reach the sender's state.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Union
 
 import torch
+
+from .state import checkpointable, clone
 
 
 class Payload:
@@ -29,7 +35,12 @@ class Payload:
     def dense(self) -> torch.Tensor:
         raise NotImplementedError
 
+    def copy(self) -> "Payload":
+        """The receiver's own copy (no storage shared with the sender's)."""
+        return clone(self)
 
+
+@checkpointable
 @dataclass
 class LowRank(Payload):
     """A matrix sent as factors ``left @ right`` (left: rows×r, right: r×cols).
@@ -55,6 +66,7 @@ class LowRank(Payload):
         return self.left @ self.right
 
 
+@checkpointable
 @dataclass
 class Encoded(Payload):
     """An encoded tensor: ``decoded`` is what the receiver reconstructs, ``bits`` what was sent."""
@@ -93,6 +105,7 @@ def dense(entry: Entry) -> torch.Tensor:
     return entry if isinstance(entry, torch.Tensor) else entry.dense()
 
 
+@checkpointable
 @dataclass
 class Message(Mapping[str, Entry]):
     """Named tensors/payloads sent in one direction to or from one client.
@@ -121,6 +134,12 @@ class Message(Mapping[str, Entry]):
     def tensors(self) -> dict[str, torch.Tensor]:
         """Dense view of every entry (decoding payloads)."""
         return {k: dense(e) for k, e in self.entries.items()}
+
+    def copy(self) -> "Message":
+        """What the receiver gets: every tensor copied, ``info`` a new dict."""
+        entries = {k: (e.detach().clone() if isinstance(e, torch.Tensor) else e.copy())
+                   for k, e in self.entries.items()}
+        return Message(entries, dict(self.info))
 
     @staticmethod
     def of(tensors: Mapping[str, Entry], **info: Any) -> "Message":

@@ -1,32 +1,49 @@
-"""The round loop: sampling, message delivery (counted), evaluation, checkpoints.
+"""One round of a federated run: sampling, message delivery (copied, transformed, counted), the
+server and client sides of the method, evaluation, and the run's complete state.
 
-``Simulator(cfg).run()`` trains one federated experiment. Every random choice is drawn from a
-generator seeded by (seed, round, client, purpose), so a run resumed from a checkpoint continues
-exactly as the uninterrupted run would have.
+``Simulator(cfg)`` builds a run; :class:`pfl.federation.loop.RoundLoop` drives its rounds with
+callbacks (tracking, checkpoints, Tune reports, progress, divergence). Every random choice is drawn
+from a generator seeded by (seed, round, client, purpose), so a run resumed from a checkpoint
+continues exactly as the uninterrupted run would have.
+
+Two round counters: ``round`` is the model lineage's round (it seeds the generators, drives the
+learning-rate schedule and is set back when a pipeline restores an earlier model state, as the λ
+path's playoff does); ``executed`` counts the rounds this run has computed and never decreases (the
+metrics' ``step``, and what cumulative counters are indexed by).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import math
+import pickle
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
 
 from ..config import ExperimentConfig
-from ..evaluation import evaluate_clients
+from ..evaluation import evaluate_plan, summarize
 from ..methods import ClientHandle, Method, get_method
+from ..schema import ConfigError, flatten, from_dict, to_dict
 from .comm import CommLedger
-from .context import RunContext
+from .context import FederationMeta, RunContext
 from .messages import Message
+from .state import clone, decode, encode, nbytes, to_device, tree_map
 
 log = logging.getLogger(__name__)
 
-#: an uplink/downlink transform (compression, attacks): (msg, direction, round, client) -> msg
+#: an uplink/downlink transform (compression, attacks): (msg, direction, round, client) -> msg.
+#: It receives the receiver's copy, so editing it in place cannot reach the sender's state.
 Transform = Callable[[Message, str, int, int], Message]
+
+CHECKPOINT_FORMAT = 2
+#: config keys a resumed run may change: the round budget, tracking, and settings that do not
+#: change what is computed (threads, checkpoint period, where client state is kept)
+RESUMABLE_CHANGES = ("federation.rounds", "federation.threads", "federation.checkpoint_every",
+                     "federation.client_state_device", "tracking.")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -44,6 +61,10 @@ class DivergedError(RuntimeError):
     """Training produced a non-finite loss."""
 
 
+class CheckpointError(ConfigError):
+    """A checkpoint cannot be used for this run (unsafe content, or another experiment's)."""
+
+
 def simulator_for(cfg):
     """The round driver ``cfg.federation.driver`` names."""
     if cfg.federation.driver == "async":
@@ -53,12 +74,25 @@ def simulator_for(cfg):
     return Simulator
 
 
+def config_differences(saved: dict, current: dict) -> dict[str, tuple[Any, Any]]:
+    """Keys whose values differ between two resolved configs, except :data:`RESUMABLE_CHANGES`."""
+    a, b = flatten(saved), flatten(current)
+    out = {}
+    for key in sorted(set(a) | set(b)):
+        if key.startswith(RESUMABLE_CHANGES) or key in RESUMABLE_CHANGES:
+            continue
+        if a.get(key, "<absent>") != b.get(key, "<absent>"):
+            out[key] = (a.get(key, "<absent>"), b.get(key, "<absent>"))
+    return out
+
+
 class Simulator:
     def __init__(self, cfg: ExperimentConfig, data=None, transforms: list[Transform] | None = None):
         from ..data import load_federated
         from ..models import build_model
 
         self.cfg = cfg
+        self.start_config = cfg.to_dict()  # what a checkpoint is compared with on resume
         fed = cfg.federation
         if fed.threads:
             torch.set_num_threads(fed.threads)
@@ -67,26 +101,65 @@ class Simulator:
         torch.manual_seed(cfg.seed)  # only model construction; all later draws use derived generators
         model = build_model(cfg.model.name, cfg.model.params, self.data.input_shape,
                             self.data.num_classes).to(self.device)
-        self.ctx = RunContext(cfg=cfg, data=self.data, model=model, device=self.device)
+        self.ctx = RunContext(cfg=cfg, meta=FederationMeta.of(self.data), model=model, device=self.device)
         method_cls = get_method(cfg.method.name)
-        self.method: Method = method_cls(cfg.method.hparams, self.ctx)
+        self.method: Method
+        self.client_role: Method
+        self.method, self.client_role = method_cls.create(cfg.method.hparams, self.ctx)
         self.transforms = list(transforms or [])
         self.ledger = CommLedger()
-        self.round = 0  # next round to run
+        self.round = 0       # the lineage's next round
+        self.executed = 0    # rounds computed by this run
         self.history: list[dict[str, float]] = []
         self.elapsed = 0.0
-        self.method.setup()
-        self.client_states: list[dict] = [{} for _ in self.data.clients]
-        for cid in range(len(self.data.clients)):
-            self.method.init_client(self.client(cid))
+        self.last_client_table: list[dict] | None = None
+        self.client_states: list[dict] = []
+        self.state_device = self.device
+        first = self._new_client_state(0) if self.num_clients else {}
+        self.state_device = self._choose_state_device(first)
+        self.client_states = [to_device(first, self.state_device)]
+        self.client_states += [self._new_client_state(cid) for cid in range(1, self.num_clients)]
 
-    # ------------------------------------------------------------------------------------------
+    # ---- clients -------------------------------------------------------------------------------
     @property
     def num_clients(self) -> int:
         return len(self.data.clients)
 
+    def _handle(self, cid: int, state: dict) -> ClientHandle:
+        return ClientHandle(cid, self.data.clients[cid], state, self.ctx, self.client_role.client_model(cid))
+
+    def _new_client_state(self, cid: int) -> dict:
+        handle = self._handle(cid, {})
+        self.client_role.init_client(handle)
+        return to_device(handle.state, self.state_device)
+
+    def _choose_state_device(self, sample_state: dict) -> torch.device:
+        """``federation.client_state_device``: where per-client state lives between its steps."""
+        choice = self.cfg.federation.client_state_device
+        if choice == "device" or self.device.type == "cpu":
+            return self.device
+        if choice == "cpu":
+            return torch.device("cpu")
+        # auto on an accelerator: every client's state must fit in half the free memory, counting
+        # at least one model copy per client (most state is created on a client's first step)
+        per_client = max(nbytes(sample_state), sum(p.numel() * p.element_size() for p in self.ctx.model.parameters()))
+        free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else float("inf")
+        where = torch.device("cpu") if per_client * self.num_clients > 0.5 * free else self.device
+        log.info("client state on %s (%d clients × ~%d bytes; %.0f MB free on %s)", where, self.num_clients,
+                 per_client, free / 2**20, self.device)
+        return where
+
     def client(self, cid: int) -> ClientHandle:
-        return ClientHandle(cid, self.data.clients[cid], self.client_states[cid], self.ctx)
+        """Client ``cid`` as its own step sees it (for inspection; the stored state itself when it
+        lives on the run's device)."""
+        return self._handle(cid, to_device(self.client_states[cid], self.device))
+
+    @contextlib.contextmanager
+    def _as_client(self, cid: int) -> Iterator[ClientHandle]:
+        """Client ``cid`` with its state on the run's device; its new state is kept afterwards."""
+        handle = self.client(cid)
+        yield handle
+        self.client_states[cid] = to_device(handle.state, self.state_device)
 
     def sample(self, rnd: int) -> list[int]:
         k = self.cfg.federation.clients_per_round
@@ -97,50 +170,57 @@ class Simulator:
         return sorted(int(i) for i in rng.choice(m, size=k, replace=False))
 
     def deliver(self, msg: Message | None, direction: str, rnd: int, cid: int) -> Message | None:
+        """The receiver's copy of ``msg`` after the transforms, counted by the ledger."""
         if msg is None:
             return None
+        msg = msg.copy()
         for transform in self.transforms:
             msg = transform(msg, direction, rnd, cid)
         self.ledger.record(msg, direction)
         return msg
 
-    # ------------------------------------------------------------------------------------------
-    def run_round(self) -> dict[str, float]:
-        """Run the next round; returns its metrics (evaluation metrics on eval rounds)."""
+    def client_step(self, rnd: int, cid: int, down: Message | None) -> Message | None:
+        """Client ``cid``'s side of round ``rnd``: its delivered reply (None: it sent nothing)."""
+        with self._as_client(cid) as client:
+            reply = self.client_role.local_update(rnd, client, down)
+        return self.deliver(reply, "up", rnd, cid)
+
+    # ---- one round -----------------------------------------------------------------------------
+    def run_round(self, evaluate: bool | None = None) -> dict[str, float]:
+        """Run the next round; returns its metrics (with evaluation metrics on evaluation rounds;
+        ``evaluate`` overrides the schedule)."""
         rnd = self.round
         start = time.perf_counter()
         sampled = self.sample(rnd)
         self.method.begin_round(rnd, sampled)
-        downs = {cid: self.deliver(self.method.broadcast(rnd, cid), "down", rnd, cid) for cid in sampled}
         replies: dict[int, Message] = {}
         losses = []
         for cid in sampled:
-            reply = self.method.local_update(rnd, self.client(cid), downs[cid])
-            reply = self.deliver(reply, "up", rnd, cid)
+            down = self.deliver(self.method.broadcast(rnd, cid), "down", rnd, cid)
+            reply = self.client_step(rnd, cid, down)
             if reply is not None:
                 replies[cid] = reply
                 if "train_loss" in reply.info:
                     losses.append(float(reply.info["train_loss"]))
         self.method.aggregate(rnd, replies)
-        return self.close_round(rnd, start, losses, self.ctx.lr(rnd))
+        return self.close_round(rnd, start, losses, self.ctx.lr(rnd), evaluate=evaluate)
 
     def close_round(self, rnd: int, start: float, losses: list[float], lr: float,
-                    extra: dict[str, float] | None = None) -> dict[str, float]:
-        """Book the finished round ``rnd``: timing, loss (a non-finite one ends the run),
-        communication, evaluation on eval rounds, ``extra``; appended to the history."""
+                    extra: dict[str, float] | None = None, evaluate: bool | None = None) -> dict[str, float]:
+        """Book the finished round ``rnd``: timing, loss, evaluation when due, communication,
+        ``extra``; appended to the history."""
         self.ledger.close_round()
         round_time = time.perf_counter() - start
         self.elapsed += round_time
         self.round += 1
-        metrics: dict[str, float] = {"round": float(rnd), "time/round_s": round_time, "lr": lr}
+        self.executed += 1
+        metrics: dict[str, float] = {"round": float(rnd), "step": float(self.executed),
+                                     "time/round_s": round_time, "lr": lr}
         if losses:
-            train_loss = float(np.mean(losses))
-            metrics["train/loss"] = train_loss
-            if not math.isfinite(train_loss):
-                raise DivergedError(f"round {rnd}: training loss is {train_loss}")
-        metrics.update(self.ledger.metrics())
-        if self.is_eval_round(rnd):
+            metrics["train/loss"] = float(np.mean(losses))
+        if self.is_eval_round(rnd) if evaluate is None else evaluate:
             metrics.update(self.evaluate(final=self.round >= self.cfg.federation.rounds))
+        metrics.update(self.ledger.metrics())
         metrics.update(extra or {})
         metrics["time/elapsed_s"] = self.elapsed
         self.history.append(metrics)
@@ -150,56 +230,146 @@ class Simulator:
         fed = self.cfg.federation
         return (rnd + 1) % fed.eval_every == 0 or rnd + 1 >= fed.rounds
 
+    # ---- evaluation ----------------------------------------------------------------------------
+    def _eval_exchange(self, rnd: int, cid: int, on_client: Callable[[ClientHandle, Any], Any] | None = None):
+        """Client ``cid``'s evaluation plan after round ``rnd`` (its evaluation message counted),
+        and what ``on_client(client, plan)`` computed with the client's data."""
+        msg = self.deliver(self.method.eval_message(rnd, cid), "eval_down", rnd, cid)
+        with self._as_client(cid) as client:
+            plan = self.client_role.eval_plan(rnd, client, msg)
+            result = on_client(client, plan) if on_client else None
+        return plan, self.deliver(plan.reply, "eval_up", rnd, cid), result
+
     def evaluate(self, final: bool = False) -> dict[str, float]:
-        result = evaluate_clients(self.method, [self.client(c) for c in range(self.num_clients)],
-                                  self.data.task, eval_global=self.cfg.federation.eval_global)
-        self.last_client_table = result.table
-        metrics = dict(result.metrics)
-        metrics.update(self.method.extra_metrics(self.round - 1, final=final))
-        for key, value in metrics.items():
-            if key.endswith("loss_mean") and not math.isfinite(value):
-                raise DivergedError(f"round {self.round - 1}: {key} is {value}")
+        """Every client's personalized model (and the global model, and the method's extra models)
+        on its own validation and test splits."""
+        rnd = self.round - 1
+        self.method.begin_eval(rnd, final)
+        task, with_global = self.data.task, self.cfg.federation.eval_global
+        rows, replies = [], {}
+        for cid in range(self.num_clients):
+            _, reply, row = self._eval_exchange(
+                rnd, cid, lambda client, plan: evaluate_plan(client, plan, task, with_global))
+            if reply is not None:
+                replies[cid] = reply
+            rows.append(row)
+        self.method.eval_aggregate(rnd, replies)
+        self.last_client_table = rows
+        metrics = summarize(rows, task)
+        metrics.update(self.method.extra_metrics(rnd, final=final))
         return metrics
 
-    def rounds(self, until: int | None = None) -> Iterator[dict[str, float]]:
-        """Yield each remaining round's metrics up to ``until`` (default: federation.rounds)."""
-        end = self.cfg.federation.rounds if until is None else until
-        while self.round < end:
-            yield self.run_round()
+    def personal_models(self, cids: list[int] | None = None) -> dict[int, dict[str, torch.Tensor]]:
+        """The models clients are evaluated with now (an evaluation exchange, counted as such)."""
+        rnd = self.round - 1
+        self.method.begin_eval(rnd, False)
+        out = {}
+        for cid in range(self.num_clients) if cids is None else cids:
+            plan, _, _ = self._eval_exchange(rnd, cid)
+            out[cid] = plan.personal
+        return out
 
+    def personal_params(self, cid: int) -> dict[str, torch.Tensor]:
+        return self.personal_models([cid])[cid]
+
+    # ---- driving -------------------------------------------------------------------------------
     def run(self, until: int | None = None) -> list[dict[str, float]]:
-        for _ in self.rounds(until):
-            pass
+        """Run to ``until`` (default: federation.rounds) with divergence checks; the history."""
+        from .loop import RoundLoop, StopOnDivergence
+
+        result = RoundLoop(self, [StopOnDivergence()]).run(until)
+        if result.status == "FAILED":
+            raise DivergedError(result.reason)
         return self.history
 
-    # ------------------------------------------------------------------------------------------
+    def set_hparams(self, hparams: Any) -> None:
+        """Change the method's hyperparameters between rounds (both sides; the config follows)."""
+        self.method.set_hparams(hparams)
+        self.client_role.set_hparams(hparams)
+        self.cfg.method.hparams = hparams
+
+    # ---- state ---------------------------------------------------------------------------------
+    def model_state(self) -> dict:
+        """What a model lineage is: its round, hyperparameters, server state and client states."""
+        return {"round": self.round, "hparams": to_dict(self.method.hp),
+                "server": self.method.server_state(), "clients": self.client_states}
+
+    def load_model_state(self, state: dict) -> None:
+        self.round = int(state["round"])
+        self.set_hparams(from_dict(type(self.method.hp), state["hparams"], "method"))
+        # accelerator tensors follow the run's device; host tensors stay where the method keeps them
+        self.method.load_server_state(tree_map(lambda t: t if t.device.type == "cpu" else t.to(self.device),
+                                               state["server"]))
+        self.client_states = [to_device(s, self.state_device) for s in state["clients"]]
+
+    def snapshot(self) -> dict:
+        """A copy of the model state that later rounds cannot change (restore with :meth:`restore`)."""
+        return clone(self.model_state())
+
+    def restore(self, snapshot: dict) -> None:
+        """Continue from a snapshot's model state; the run's accounting (executed rounds, history,
+        communication, time) carries on, so cumulative counters never decrease."""
+        self.load_model_state(clone(snapshot))
+
     def state_dict(self) -> dict:
         return {
-            "round": self.round,
-            "elapsed": self.elapsed,
-            "history": self.history,
-            "ledger": self.ledger.state_dict(),
-            "method": self.method.server_state(),
-            "clients": self.client_states,
-            "config": self.cfg.to_dict(),
+            "format": CHECKPOINT_FORMAT,
+            "config": self.start_config,
+            "model": self.model_state(),
+            "run": {"executed": self.executed, "elapsed": self.elapsed, "history": self.history,
+                    "ledger": self.ledger.state_dict()},
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.round = state["round"]
-        self.elapsed = state["elapsed"]
-        self.history = list(state["history"])
-        self.ledger.load_state_dict(state["ledger"])
-        self.method.load_server_state(state["method"])
-        self.client_states[:] = state["clients"]
+        if state.get("format") != CHECKPOINT_FORMAT:
+            raise CheckpointError("--checkpoint", f"checkpoint format {state.get('format')!r} is not "
+                                                  f"{CHECKPOINT_FORMAT} (written by another pfl version)")
+        differ = config_differences(state["config"], self.start_config)
+        if differ:
+            listed = "; ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, a, b in
+                               ((k, *v) for k, v in differ.items()))
+            raise CheckpointError(", ".join(differ), f"the checkpoint belongs to a run with another config "
+                                                     f"({listed}); only the round budget and tracking may "
+                                                     "change on resume")
+        self.load_model_state(state["model"])
+        run = state["run"]
+        self.executed = int(run["executed"])
+        self.elapsed = float(run["elapsed"])
+        self.history = list(run["history"])
+        self.ledger.load_state_dict(run["ledger"])
 
-    def save(self, path: str | Path) -> Path:
+    def save(self, path: str | Path, extra: dict | None = None) -> Path:
+        """Write the state (and ``extra``, e.g. callbacks' state) atomically to ``path``."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
+        state = self.state_dict()
+        if extra:
+            state["extra"] = extra
         tmp = path.with_suffix(path.suffix + ".tmp")
-        torch.save(self.state_dict(), tmp)
-        tmp.replace(path)  # atomic: a killed run never leaves a half-written checkpoint
+        torch.save(encode(state, "checkpoint"), tmp)
+        tmp.replace(path)  # a killed run never leaves a half-written checkpoint
         return path
 
-    def load(self, path: str | Path) -> None:
-        state = torch.load(Path(path), map_location=self.device, weights_only=False)
+    def load(self, path: str | Path) -> dict:
+        """Continue from the checkpoint at ``path``; returns its ``extra`` part."""
+        state = read_checkpoint(path)
         self.load_state_dict(state)
+        return state.get("extra", {})
+
+
+def read_checkpoint(path: str | Path) -> dict:
+    """A checkpoint's content; tensors and plain containers only (``weights_only=True``)."""
+    path = Path(path)
+    try:
+        raw = torch.load(path, map_location=None if torch.cuda.is_available() else "cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, AttributeError, TypeError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError("--checkpoint", f"{path} is not a pfl checkpoint that loads safely (tensors "
+                                              f"and plain containers only): {first}") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError("--checkpoint", f"{path} does not hold a pfl checkpoint")
+    return decode(raw)
+
+
+__all__ = ["CheckpointError", "DivergedError", "Simulator", "Transform", "config_differences",
+           "read_checkpoint", "resolve_device", "simulator_for"]

@@ -12,7 +12,7 @@ import pkgutil
 
 from ..config import MethodConfig
 from ..schema import ConfigError, from_dict
-from .base import ClientHandle, Method, NoHparams
+from .base import GLOBAL, ClientHandle, EvalPlan, Method, NoHparams
 
 _REGISTRY: dict[str, type[Method]] = {}
 #: plugins compose with a base method by name: ``method.name=fedprox+ala`` is FedProx with ALA.
@@ -93,5 +93,5 @@ def resolve_method_config(name: object, raw: dict) -> MethodConfig:
     return MethodConfig(name=name, hparams=from_dict(cls.Hparams, raw, "method"))
 
 
-__all__ = ["ClientHandle", "Method", "NoHparams", "get_method", "list_methods", "register",
+__all__ = ["GLOBAL", "ClientHandle", "EvalPlan", "Method", "NoHparams", "get_method", "list_methods", "register",
            "register_plugin", "resolve_method_config"]

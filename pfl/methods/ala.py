@@ -58,6 +58,7 @@ Decisions where the spec is silent or leaves a choice (see specs/fedala.md):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 import time
@@ -70,6 +71,7 @@ import torch
 from torch.func import functional_call
 
 from ..federation.messages import Message
+from ..federation.state import checkpointable
 from ..models import layer_groups
 from ..schema import hp
 from ..training import Params, loss_fn
@@ -161,6 +163,7 @@ def ala_sample_indices(n: int, s: float, mode: str, generator: torch.Generator) 
     return torch.arange(offset, offset + m)
 
 
+@checkpointable
 @dataclass
 class ALAResult:
     params: Params          # the initialised local model θ̂ (all received names)
@@ -224,6 +227,11 @@ def adaptive_local_aggregation(
     return ALAResult(params, w, False, len(losses), losses, time.perf_counter() - t0, started=started)
 
 
+@functools.lru_cache(maxsize=64)
+def _upper_names_cached(model: torch.nn.Module, names: tuple[str, ...], p: int, unit: str) -> list[str]:
+    return upper_names(model, names, p, unit)
+
+
 def params_digest(params: Mapping[str, torch.Tensor]) -> str:
     """A content hash of a parameter dict (the client recognises a model it has already seen)."""
     h = hashlib.blake2b(digest_size=16)
@@ -254,11 +262,7 @@ class _ALACore:
         return st
 
     def _ala_upper(self, client: ClientHandle, names: Sequence[str]) -> list[str]:
-        cache = self.__dict__.setdefault("_ala_upper_cache", {})
-        key = (id(client.model), tuple(names))
-        if key not in cache:
-            cache[key] = upper_names(client.model, names, self.hp.p, self.hp.p_unit)
-        return cache[key]
+        return _upper_names_cached(client.model, tuple(names), self.hp.p, self.hp.p_unit)
 
     def _ala_compute(self, client: ClientHandle, rnd: int, glob: Params, local: Params | None) -> ALAResult:
         st = self._ala_state(client)
@@ -270,7 +274,7 @@ class _ALACore:
             client.model, glob, local, self._ala_upper(client, list(glob)), d.x_train[idx], d.y_train[idx],
             weights=st["weights"], start_phase=st["start_phase"], eta=hp_.eta,
             batch_size=self.ctx.cfg.federation.batch_size, threshold=hp_.threshold, window=hp_.window,
-            max_epochs=hp_.ala_max_epochs, task=self.ctx.data.task)
+            max_epochs=hp_.ala_max_epochs, task=self.ctx.meta.task)
 
     def _ala_apply(self, client: ClientHandle, received: Params, local: Params | None) -> Params:
         """ALA for the round in progress, reusing an evaluation-time result for the same model."""
@@ -341,16 +345,16 @@ class ALAStartMixin(_ALACore):
         kept = {k: sent[k].detach() for k in names if k in sent}
         self._ala_state(client)["local"] = kept or None
 
-    def personal_params(self, client: ClientHandle) -> Params:
+    def personal_params(self, rnd: int, client: ClientHandle, received: Params | None) -> Params:
         if type(self)._ala_base_personal is not Method.personal_params:
-            return super().personal_params(client)  # type: ignore[misc]
-        glob = self.global_params()  # type: ignore[attr-defined]
+            return super().personal_params(rnd, client, received)  # type: ignore[misc]
+        glob = received  # the global model the evaluation message carried
         st = client.state.get(STATE_KEY)
         if not st or st["local"] is None:
             return glob
         if self.hp.eval_model == "local":
             return {**glob, **st["local"]}
-        rnd = self.ala_stats["next_round"]
+        rnd = rnd + 1  # ALA for the next round's reception, whose seed it uses (and which reuses it)
         digest = params_digest(glob)
         pending = st["pending"]
         if pending is None or pending["round"] != rnd or pending["digest"] != digest:
@@ -400,7 +404,6 @@ def compose(base: type[Method]) -> type[Method]:
         "name": f"{base.name}+ala",
         "Hparams": _merged_hparams(base.Hparams),
         "description": f"{base.description or base.name} + adaptive local aggregation (FedALA)",
-        "server_attrs": tuple(base.server_attrs) + ("ala_stats",),
         "_ala_base_personal": base.personal_params,
     }
     return type(f"{base.__name__}ALA", (mixin, base), attrs)

@@ -67,9 +67,9 @@ class APFL(FedAvg):
     Hparams = APFLHparams
     description = "APFL: adaptive mixture of local and global models (Deng et al. 2020)"
 
-    def setup(self) -> None:
-        super().setup()
-        self.init: Params = {k: v.clone() for k, v in self.global_model.items()}
+    def configure(self) -> None:
+        super().configure()
+        self.init: Params = self.ctx.init_params()  # v_k's start θ^0, regenerated from the run seed
 
     def client_alpha(self, client: ClientHandle) -> torch.Tensor:
         alpha = client.state.get("alpha")
@@ -89,7 +89,7 @@ class APFL(FedAvg):
         hp_ = self.hp
         lr = self.ctx.lr(rnd)
         x, y = client.data.x_train, client.data.y_train
-        model, criterion = client.model, loss_fn(self.ctx.data.task)
+        model, criterion = client.model, loss_fn(self.ctx.meta.task)
         mixed = self._mixed_forward(model)
         start = self.start_params(client, received)
         v = client.state.get("v", self.init)
@@ -128,12 +128,11 @@ class APFL(FedAvg):
         client.state["alpha"] = out[_A].detach().clone()
         return Message.of(_part(out, _W), train_loss=result.mean_loss, n=client.n_train)
 
-    def personal_params(self, client: ClientHandle) -> Params:
+    def personal_params(self, rnd: int, client: ClientHandle, received: Params | None) -> Params:
         v, alpha = client.state.get("v", self.init), self.client_alpha(client)
         if self.hp.mix == "params":
-            return mixed_params(v, self.global_model, alpha)
-        return {**{_W + k: t for k, t in self.global_model.items()}, **{_V + k: t for k, t in v.items()},
-                _A: alpha}
+            return mixed_params(v, received, alpha)
+        return {**{_W + k: t for k, t in received.items()}, **{_V + k: t for k, t in v.items()}, _A: alpha}
 
     def eval_forward(self, client: ClientHandle):
         if self.hp.mix == "params":

@@ -1,15 +1,32 @@
 """The method interface: what the server sends, what a client does, what the server does next.
 
-The simulator owns the round loop, sampling, message delivery (and so communication accounting),
-evaluation and logging. A method fills in the hooks below. Server state lives on the method
-object; each client's private state lives in its :class:`ClientHandle` and is only handed to the
-method together with that client, so a method cannot read another client's state.
+A method class is instantiated twice per run, once for each side of the wire
+(:meth:`Method.create`), and the simulator only ever calls a side's hooks on that side's object:
+
+* **static** — :meth:`Method.configure` runs once and derives read-only values from the config
+  (name lists, initial models regenerated from the run seed, a public data set). Both sides
+  share them.
+* **server side** — :meth:`setup` creates the server state; :meth:`begin_round`,
+  :meth:`broadcast`, :meth:`aggregate` (which sees only the delivered replies),
+  :meth:`begin_eval`, :meth:`eval_message`, :meth:`eval_aggregate`, :meth:`extra_metrics`,
+  :meth:`artifacts`. Every attribute the server object gets after ``configure`` is server state
+  and goes into checkpoints (names starting with ``_`` are caches, recomputed, never saved).
+* **client side** — :meth:`init_client`, :meth:`local_update`, :meth:`eval_plan` (with
+  :meth:`personal_params`, :meth:`eval_forward`, :meth:`decode`). The client object holds the
+  static values only and refuses new attributes, so a client step is a function of
+  (hyperparameters and static config, its own :class:`ClientHandle`: data, persistent state,
+  generators, and the delivered message) → (reply, new ``client.state``). It cannot read the
+  server's state (there is none on its object) nor another client's (the handle holds one client).
+
+Every server → client and client → server transfer is a :class:`~pfl.federation.messages.Message`
+that the simulator copies and counts, evaluation-time transfers included (booked as
+``comm/eval_*``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import torch
@@ -21,6 +38,9 @@ if TYPE_CHECKING:
     from ..data import ClientData
     from ..federation.context import RunContext
 
+#: ``info`` flag of an evaluation message that carries the global model (for ``global/*``)
+GLOBAL = "global"
+
 
 @dataclass
 class NoHparams:
@@ -28,17 +48,14 @@ class NoHparams:
 
 
 class ClientHandle:
-    """One client as a method sees it: its id, its own data, its own persistent state."""
+    """One client as its own step sees it: id, own data, own persistent state, own model object."""
 
-    def __init__(self, cid: int, data: "ClientData", state: dict, ctx: "RunContext"):
+    def __init__(self, cid: int, data: "ClientData", state: dict, ctx: "RunContext", model: torch.nn.Module):
         self.cid = cid
         self.data = data
         self.state = state
         self.ctx = ctx
-
-    @property
-    def model(self) -> torch.nn.Module:
-        return self.ctx.model_for(self.cid)
+        self.model = model
 
     @property
     def n_train(self) -> int:
@@ -58,12 +75,22 @@ class ClientHandle:
         kwargs: dict[str, Any] = dict(
             lr=self.ctx.lr(rnd), epochs=fed.local_epochs, steps=fed.local_steps,
             batch_size=fed.batch_size, momentum=fed.momentum, weight_decay=fed.weight_decay,
-            task=self.ctx.data.task, generator=self.generator(rnd, tag),
+            task=self.ctx.meta.task, generator=self.generator(rnd, tag),
         )
         kwargs.update(overrides)
         return local_sgd(self.model, params,
                          self.data.x_train if x is None else x,
                          self.data.y_train if y is None else y, **kwargs)
+
+
+@dataclass
+class EvalPlan:
+    """What a client is evaluated with at an evaluation round (built client-side by :meth:`Method.eval_plan`)."""
+    personal: Params                                       # the personalized model (``test/*``, ``val/*``)
+    forward: Callable[[Params, torch.Tensor], torch.Tensor] | None = None  # custom forward of ``personal``
+    global_model: Params | None = None                     # the global model as received (``global/*``)
+    extra: dict[str, Params] = field(default_factory=dict)  # metric prefix → model, e.g. fpfc/readout
+    reply: Message | None = None                           # evaluation uplink (IFCA's choice)
 
 
 class Method:
@@ -72,52 +99,73 @@ class Method:
     name: ClassVar[str] = ""
     Hparams: ClassVar[type] = NoHparams
     description: ClassVar[str] = ""
-    #: attributes that make up the server state (saved in checkpoints)
-    server_attrs: ClassVar[tuple[str, ...]] = ()
     # the server step is correct for one reply at a time (federation.driver=async)
     supports_async: ClassVar[bool] = False
 
     def __init__(self, hparams: Any, ctx: "RunContext"):
         self.hp = hparams
         self.ctx = ctx
+        self.configure()
 
-    # ---- lifecycle -------------------------------------------------------------------------
+    @classmethod
+    def create(cls, hparams: Any, ctx: "RunContext") -> tuple["Method", "Method"]:
+        """The (server, client) objects of one run; see the module docstring."""
+        server = cls(hparams, ctx)
+        static = dict(vars(server))
+        client = cls.__new__(cls)
+        client.__dict__.update(static)
+        client.__dict__["_role"] = "client"
+        server.__dict__.update(_role="server", _static_names=frozenset(static))
+        server.setup()
+        return server, client
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        if self.__dict__.get("_role") == "client":
+            raise AttributeError(f"{type(self).__name__}: client-side code cannot set {key!r} on the method "
+                                 "object (one object serves every client); keep it in client.state")
+        super().__setattr__(key, value)
+
+    def set_hparams(self, hparams: Any) -> None:
+        """Replace the hyperparameters (a pipeline changing λ between rounds); both sides call this."""
+        object.__setattr__(self, "hp", hparams)
+
+    # ---- static --------------------------------------------------------------------------------
+    def configure(self) -> None:
+        """Derive read-only values from the config (runs once; shared by both sides)."""
+
+    def client_model(self, cid: int) -> torch.nn.Module:
+        """The model object client ``cid`` computes with (PerFed-CKT: its architecture)."""
+        return self.ctx.model
+
+    # ---- server side: lifecycle and one round ----------------------------------------------------
     def setup(self) -> None:
         """Initialise the server state (called once, before round 0)."""
 
-    def init_client(self, client: ClientHandle) -> None:
-        """Initialise ``client.state`` (called once per client, before round 0)."""
-
-    # ---- one round ---------------------------------------------------------------------------
     def begin_round(self, rnd: int, sampled: list[int]) -> None:
         """Server-side work before messages go out (e.g. one stacked computation for all)."""
 
     def broadcast(self, rnd: int, cid: int) -> Message | None:
-        """The downlink message for sampled client ``cid`` (server side)."""
+        """The downlink message for sampled client ``cid``."""
         return None
 
-    def local_update(self, rnd: int, client: ClientHandle, msg: Message | None) -> Message | None:
-        """Client side: read the message, train, return the uplink message."""
-        raise NotImplementedError
-
     def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
-        """Server side: update the server state from the uplink messages of this round."""
+        """Update the server state from this round's delivered uplink messages."""
 
-    # ---- evaluation --------------------------------------------------------------------------
     def global_params(self) -> Params | None:
         """The global model, if the method has one."""
         return None
 
-    def personal_params(self, client: ClientHandle) -> Params:
-        """The model client ``client`` is evaluated with (default: the global model)."""
-        params = self.global_params()
-        if params is None:
-            raise NotImplementedError(f"{self.name} must define personal_params")
-        return params
+    # ---- server side: evaluation ---------------------------------------------------------------
+    def begin_eval(self, rnd: int, final: bool) -> None:
+        """Server-side work before the evaluation messages go out (FPFC: its read-out)."""
 
-    def eval_forward(self, client: ClientHandle) -> Callable[[Params, torch.Tensor], torch.Tensor] | None:
-        """A custom forward for evaluation (None: the client's model as is)."""
-        return None
+    def eval_message(self, rnd: int, cid: int) -> Message | None:
+        """What client ``cid`` needs from the server to be evaluated (default: the global model)."""
+        glob = self.global_params()
+        return None if glob is None else Message.of(glob, **{GLOBAL: True})
+
+    def eval_aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
+        """Receive the evaluation replies (IFCA: every client's cluster choice)."""
 
     def extra_metrics(self, rnd: int, final: bool = False) -> dict[str, float]:
         """Method-specific metrics logged at evaluation rounds (e.g. cluster/num)."""
@@ -127,9 +175,40 @@ class Method:
         """Write method-specific artifacts (tables, plots) at the end of a run; return paths."""
         return []
 
-    # ---- checkpoints -------------------------------------------------------------------------
+    # ---- client side ---------------------------------------------------------------------------
+    def init_client(self, client: ClientHandle) -> None:
+        """Initialise ``client.state`` (called once per client, before round 0)."""
+
+    def local_update(self, rnd: int, client: ClientHandle, msg: Message | None) -> Message | None:
+        """Read the message, train, update ``client.state``, return the uplink message."""
+        raise NotImplementedError
+
+    def decode(self, msg: Message) -> Params:
+        """The dense tensors of a received message (FedSLR unfolds its factor pairs)."""
+        return msg.tensors()
+
+    def personal_params(self, rnd: int, client: ClientHandle, received: Params | None) -> Params:
+        """The model this client is evaluated with, given what the evaluation message carried
+        (default: that model itself, e.g. FedAvg's global model)."""
+        if received is None:
+            raise NotImplementedError(f"{self.name} must define personal_params")
+        return received
+
+    def eval_forward(self, client: ClientHandle) -> Callable[[Params, torch.Tensor], torch.Tensor] | None:
+        """A custom forward for evaluation (None: the client's model as is)."""
+        return None
+
+    def eval_plan(self, rnd: int, client: ClientHandle, msg: Message | None) -> EvalPlan:
+        """Everything this client is evaluated with after round ``rnd``."""
+        received = None if msg is None else self.decode(msg)
+        glob = received if msg is not None and msg.info.get(GLOBAL) else None
+        return EvalPlan(self.personal_params(rnd, client, received), self.eval_forward(client), glob)
+
+    # ---- checkpoints ---------------------------------------------------------------------------
     def server_state(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.server_attrs}
+        """Every attribute set after ``configure`` (names starting with ``_`` are caches)."""
+        static = self.__dict__.get("_static_names", frozenset())
+        return {k: v for k, v in vars(self).items() if k not in static and not k.startswith("_")}
 
     def load_server_state(self, state: dict[str, Any]) -> None:
         for k, v in state.items():

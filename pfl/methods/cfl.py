@@ -110,7 +110,6 @@ class CFL(Method):
     name = "cfl"
     Hparams = CFLHparams
     description = "Clustered FL by recursive bipartitioning on update similarity (Sattler et al. 2020)"
-    server_attrs = ("clusters", "models", "last_update", "stats")
 
     def setup(self) -> None:
         self.clusters: list[list[int]] = [list(range(self.ctx.num_clients))]
@@ -180,11 +179,12 @@ class CFL(Method):
         step = unflatten_params(mean, model, names)
         return {k: model[k] + step[k] for k in model}
 
-    def personal_params(self, client: ClientHandle) -> Params:
-        return self.models[int(self.cluster_of()[client.cid])]
+    def eval_message(self, rnd: int, cid: int) -> Message:
+        """A client is evaluated with its cluster's model."""
+        return Message.of(self.models[int(self.cluster_of()[cid])])
 
     def extra_metrics(self, rnd: int, final: bool = False) -> dict[str, float]:
-        return {**assignment_metrics(self.cluster_of(), self.ctx.data), **self.stats}
+        return {**assignment_metrics(self.cluster_of(), self.ctx.meta), **self.stats}
 
     def artifacts(self, outdir: str) -> list[str]:
-        return [write_assignment_table(outdir, "cfl_assignments.csv", self.cluster_of(), self.ctx.data)]
+        return [write_assignment_table(outdir, "cfl_assignments.csv", self.cluster_of(), self.ctx.meta)]

@@ -44,9 +44,9 @@ class Ditto(FedAvg):
     Hparams = DittoHparams
     description = "Ditto: FedAvg + proximally regularised personal models (Li et al. 2021)"
 
-    def setup(self) -> None:
-        super().setup()
-        self.init: Params = {k: v.clone() for k, v in self.global_model.items()}
+    def configure(self) -> None:
+        super().configure()
+        self.init: Params = self.ctx.init_params()  # θ^0, regenerated from the run seed
 
     def personal_start(self, client: ClientHandle, received: Params) -> Params:
         """Where the personal model's training starts this round: the stored v_k (θ^0 at first)."""
@@ -69,5 +69,5 @@ class Ditto(FedAvg):
         client.state["personal_loss"] = personal.mean_loss
         return Message.of(result.params, train_loss=result.mean_loss, n=client.n_train)
 
-    def personal_params(self, client: ClientHandle) -> Params:
+    def personal_params(self, rnd: int, client: ClientHandle, received: Params | None) -> Params:
         return client.state.get("personal", self.init)

@@ -30,7 +30,6 @@ class FedAvg(Method):
     name = "fedavg"
     Hparams = FedAvgHparams
     description = "Federated averaging (McMahan et al. 2017)"
-    server_attrs = ("global_model",)
 
     def setup(self) -> None:
         self.global_model: Params = self.ctx.init_params()
@@ -101,11 +100,6 @@ class FedAvgFT(FedAvg):
     Hparams = FedAvgFTHparams
     description = "FedAvg + local fine-tuning before evaluation"
 
-    def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
-        super().aggregate(rnd, replies)
-        self.last_round = rnd
-
-    def personal_params(self, client: ClientHandle) -> Params:
-        rnd = getattr(self, "last_round", 0)
-        return client.train(self.global_model, rnd, epochs=self.hp.ft_epochs, steps=None,
-                            tag="finetune").params
+    def personal_params(self, rnd: int, client: ClientHandle, received: Params | None) -> Params:
+        # the global model arrives with the evaluation message; fine-tuning is the client's work
+        return client.train(received, rnd, epochs=self.hp.ft_epochs, steps=None, tag="finetune").params

@@ -49,7 +49,6 @@ class FedDyn(FedAvg):
     name = "feddyn"
     Hparams = FedDynHparams
     description = "FedDyn: dynamic regularisation (Acar et al. 2021)"
-    server_attrs = ("global_model", "h")
 
     def setup(self) -> None:
         super().setup()

@@ -70,7 +70,6 @@ class FedOpt(FedAvg):
     name = "fedadam"
     Hparams = FedOptHparams
     description = "FedAdam: adaptive server optimiser (Reddi et al. 2021)"
-    server_attrs = ("global_model", "m", "v")
 
     def setup(self) -> None:
         super().setup()

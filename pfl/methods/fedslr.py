@@ -73,7 +73,7 @@ from ..prox import soft_threshold
 from ..schema import ConfigError, hp
 from ..training import Params
 from . import register
-from .base import ClientHandle, Method
+from .base import GLOBAL, ClientHandle, Method
 
 
 @dataclass
@@ -101,11 +101,9 @@ class FedSLR(Method):
     name = "fedslr"
     Hparams = FedSLRHparams
     description = "Low-rank global model (server SVT) + sparse personal part (Huang et al. 2023)"
-    server_attrs = ("global_model", "layers", "gamma_all", "gamma_mean", "p_stats", "svd_seconds")
 
     # ---- lifecycle -------------------------------------------------------------------------
-    def setup(self) -> None:
-        self.global_model: Params = self.ctx.init_params()
+    def configure(self) -> None:
         matrices = layer_groups(self.ctx.model).matrices
         unknown = [n for n in self.hp.lowrank_exclude if n not in matrices]
         if unknown:
@@ -113,6 +111,9 @@ class FedSLR(Method):
                               f"{unknown} are not matrix parameters of {self.ctx.cfg.model.name}; "
                               f"allowed: {', '.join(matrices)}")
         self.low_rank_names = [n for n in matrices if n not in self.hp.lowrank_exclude]
+
+    def setup(self) -> None:
+        self.global_model: Params = self.ctx.init_params()
         self.layers: dict[str, lowrank.LayerSVT] = {}
         n = self.ctx.num_clients
         if self.hp.server == "algo2":
@@ -126,10 +127,10 @@ class FedSLR(Method):
         self.svd_seconds: list[float] = []
 
     def _p_init(self) -> Params:
-        if self.hp.p_init == "zeros":
-            return {k: torch.zeros_like(v) for k, v in self.global_model.items()}
         # the run's seeded initial weights: every client can regenerate them without communication
         init = self.ctx.init_params()
+        if self.hp.p_init == "zeros":
+            return {k: torch.zeros_like(v) for k, v in init.items()}
         return {k: (v.clone() if v.ndim >= 2 else torch.zeros_like(v)) for k, v in init.items()}
 
     # ---- one round ---------------------------------------------------------------------------
@@ -137,9 +138,12 @@ class FedSLR(Method):
         layers = self.layers if self.hp.factorize_downlink else {}
         return Message(lowrank.encode(self.global_model, layers))
 
+    def decode(self, msg: Message) -> Params:
+        return lowrank.decode(msg)
+
     def local_update(self, rnd: int, client: ClientHandle, msg: Message | None) -> Message:
         hp_ = self.hp
-        received = lowrank.decode(msg)
+        received = self.decode(msg)
         gamma = client.state.get("gamma")
         if gamma is None:
             gamma = {k: torch.zeros_like(v) for k, v in received.items()}
@@ -226,13 +230,19 @@ class FedSLR(Method):
     def global_params(self) -> Params:
         return self.global_model
 
-    def personal_params(self, client: ClientHandle) -> Params:
+    def eval_message(self, rnd: int, cid: int) -> Message:
+        """The GKR, factorized like the training downlink."""
+        msg = self.broadcast(rnd, cid)
+        msg.info[GLOBAL] = True
+        return msg
+
+    def personal_params(self, rnd: int, client: ClientHandle, received: Params | None) -> Params:
         p = client.state.get("P")
         if p is None:
             if self.hp.p_init == "zeros":
-                return self.global_model
+                return received
             p = self._p_init()
-        return {k: w + p[k] for k, w in self.global_model.items()}
+        return {k: w + p[k] for k, w in received.items()}
 
     def ranks(self) -> dict[str, tuple[int, int]]:
         """(rank, max rank) of every thresholded matrix tensor of the current GKR."""

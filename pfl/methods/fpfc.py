@@ -78,11 +78,12 @@ from ..federation.messages import Message
 from ..models import flatten_params, layer_groups, unflatten_params
 from ..prox import group_soft_threshold, scad_prox
 from ..schema import ConfigError, hp
-from ..training import Params, evaluate
+from ..training import Params
 from . import register
-from .base import ClientHandle, Method
+from .base import ClientHandle, EvalPlan, Method
 
 Prox = Callable[[torch.Tensor], torch.Tensor]
+READOUT = "readout/"  # evaluation-message prefix of a device's read-out model
 
 
 @dataclass
@@ -190,11 +191,10 @@ class FPFC(Method):
     name = "fpfc"
     Hparams = FPFCHparams
     description = "Fusion-penalised federated clustering, SCAD or L1 pairwise fusion (Yu et al. 2024)"
-    server_attrs = ("W", "theta", "v", "body", "body_of", "n_seen", "sim_clock")
     supports_async = True
 
     # ---- setup -------------------------------------------------------------------------------
-    def setup(self) -> None:
+    def configure(self) -> None:
         from ..federation.async_clock import DelayConfig, DelayModel
 
         ctx = self.ctx
@@ -203,13 +203,16 @@ class FPFC(Method):
             gen = ctx.generator("init", "fpfc_normal")
             init = {k: (torch.randn(t.shape, generator=gen) * self.hp.init_std).to(t.device, t.dtype)
                     for k, t in init.items()}
+        self.init = init  # every device's start, regenerated from the run seed by every party
         self.names = list(init)
         groups = layer_groups(ctx.model)
         self.clustered = (list(groups.head) if self.hp.shared_layers == "body" else list(self.names))
         self.shared = [n for n in self.names if n not in set(self.clustered)]
         self.template = {k: init[k] for k in self.clustered}
-        self.init_clustered = {k: init[k].clone() for k in self.clustered}
-        m = ctx.num_clients
+        self.delays = DelayModel(ctx, DelayConfig.from_hparams(self.hp))
+
+    def setup(self) -> None:
+        init, m = self.init, self.ctx.num_clients
         w0 = flatten_params(init, self.clustered)
         p = w0.numel()
         self.W = w0.unsqueeze(0).repeat(m, 1)
@@ -221,13 +224,13 @@ class FPFC(Method):
         self.n_seen = torch.zeros(m, dtype=torch.float64, device=w0.device)
         self.sim_clock = 0.0
         self.external_clock = False  # set by the asynchronous simulator
-        self._delays = DelayModel(ctx, DelayConfig.from_hparams(self.hp))
         self._zeta: dict[int, torch.Tensor] = {}
-        self.last_labels: np.ndarray | None = None
-        self.last_nu = float(self.hp.nu)
+        self._labels: np.ndarray | None = None  # the last evaluation's read-out
+        self._nu = float(self.hp.nu)
+        self._readout: torch.Tensor | None = None
 
     def init_client(self, client: ClientHandle) -> None:
-        client.state["w"] = {k: v.clone() for k, v in self.init_clustered.items()}
+        client.state["w"] = {k: self.init[k].clone() for k in self.clustered}
 
     # ---- penalty -----------------------------------------------------------------------------
     def prox(self) -> Prox:
@@ -240,7 +243,7 @@ class FPFC(Method):
     # ---- one round ---------------------------------------------------------------------------
     def begin_round(self, rnd: int, sampled: list[int]) -> None:
         if not self.external_clock:
-            self.sim_clock += max((self._delays.tau(rnd, c) for c in sampled), default=0.0)
+            self.sim_clock += max((self.delays.tau(rnd, c) for c in sampled), default=0.0)
         if not sampled:
             self._zeta = {}
             return
@@ -298,8 +301,21 @@ class FPFC(Method):
         merged.update(clustered)
         return {k: merged[k] for k in self.names}
 
-    def personal_params(self, client: ClientHandle) -> Params:
-        return self._full(client.state["w"], client.cid)
+    def eval_message(self, rnd: int, cid: int) -> Message | None:
+        """The device's body (shared layers) and, when computed, its read-out model."""
+        entries: Params = dict(self._shared_for(cid)) if self.shared else {}
+        if self._readout is not None:
+            readout = unflatten_params(self._readout[cid], self.template, self.clustered)
+            entries.update({READOUT + k: v for k, v in readout.items()})
+        return Message.of(entries) if entries else None
+
+    def eval_plan(self, rnd: int, client: ClientHandle, msg: Message | None) -> EvalPlan:
+        received = {} if msg is None else msg.tensors()
+        body = {k: received[k] for k in self.shared}
+        personal = {k: ({**body, **client.state["w"]})[k] for k in self.names}
+        readout = {k[len(READOUT):]: v for k, v in received.items() if k.startswith(READOUT)}
+        extra = {"fpfc/readout": {k: ({**body, **readout})[k] for k in self.names}} if readout else {}
+        return EvalPlan(personal, extra=extra)
 
     # ---- clusters and read-out ---------------------------------------------------------------
     def clusters(self, nu: float | None = None) -> np.ndarray:
@@ -319,7 +335,7 @@ class FPFC(Method):
 
     def theta_gap(self) -> dict[str, float]:
         """Largest ‖θ_ij‖ inside a true cluster, smallest between true clusters (any ν between works)."""
-        true = self.ctx.data.true_clusters
+        true = self.ctx.meta.true_clusters
         if true is None:
             return {}
         dist = pairwise_norms(self.theta).cpu().numpy()
@@ -344,38 +360,29 @@ class FPFC(Method):
         means = sums / (onehot.T @ n).unsqueeze(1)
         return means[lab]
 
-    def readout_metrics(self, labels: np.ndarray) -> dict[str, float]:
-        """Mean over devices of the test accuracy (or RMSE) of the read-out models (an evaluation)."""
-        models = self.readout_models(labels)
-        data = self.ctx.data
-        scores = []
-        for cid, client in enumerate(data.clients):
-            params = self._full(unflatten_params(models[cid], self.template, self.clustered), cid)
-            res = evaluate(self.ctx.model_for(cid), params, client.x_test, client.y_test, data.task)
-            if res.n:
-                scores.append(res.acc if data.task == "classification" else res.rmse)
-        key = "fpfc/readout_acc" if data.task == "classification" else "fpfc/readout_rmse"
-        return {key: float(np.mean(scores))} if scores else {}
+    def begin_eval(self, rnd: int, final: bool) -> None:
+        self._readout = None
+        if final or self.hp.readout_every_eval:
+            dist = pairwise_norms(self.theta)
+            self._readout = self.readout_models(connected_components(dist < self.readout_nu(dist)))
 
     def extra_metrics(self, rnd: int, final: bool = False) -> dict[str, float]:
         dist = pairwise_norms(self.theta)
-        self.last_nu = self.readout_nu(dist)
-        labels = connected_components(dist < self.last_nu)
-        self.last_labels = labels
-        out = cluster_metrics(labels, self.ctx.data.true_clusters)
-        out["fpfc/nu"] = self.last_nu
+        self._nu = self.readout_nu(dist)
+        labels = connected_components(dist < self._nu)
+        self._labels = labels
+        out = cluster_metrics(labels, self.ctx.meta.true_clusters)
+        out["fpfc/nu"] = self._nu
         out["fpfc/lambda"] = float(self.hp.lam)
         out.update(self.theta_gap())
         if not self.external_clock:
             out["time/sim_clock"] = self.sim_clock
-        if final or self.hp.readout_every_eval:
-            out.update(self.readout_metrics(labels))
         return out
 
     def artifacts(self, outdir: str) -> list[str]:
         out = Path(outdir)
-        labels = self.clusters() if self.last_labels is None else self.last_labels
-        table = write_assignment_table(outdir, "fpfc_clusters.csv", labels, self.ctx.data)
+        labels = self.clusters() if self._labels is None else self._labels
+        table = write_assignment_table(outdir, "fpfc_clusters.csv", labels, self.ctx.meta)
         return [table, str(self.plot_distances(out / "fpfc_theta_norms.png"))]
 
     def plot_distances(self, path: str | Path) -> Path:
@@ -385,7 +392,7 @@ class FPFC(Method):
         import matplotlib.pyplot as plt
 
         dist = pairwise_norms(self.theta).cpu().numpy()
-        true = self.ctx.data.true_clusters
+        true = self.ctx.meta.true_clusters
         order = np.argsort(true, kind="stable") if true is not None else np.arange(len(dist))
         fig, ax = plt.subplots(figsize=(5.5, 4.6), dpi=100)
         image = ax.imshow(dist[np.ix_(order, order)], cmap="viridis", interpolation="nearest")
@@ -395,7 +402,7 @@ class FPFC(Method):
             for e in edges:
                 ax.axhline(e, color="white", lw=0.6)
                 ax.axvline(e, color="white", lw=0.6)
-        ax.set_title(f"pairwise ‖θ_ij‖ (λ={self.hp.lam}, ν={self.last_nu:.3g}), ordered by true cluster")
+        ax.set_title(f"pairwise ‖θ_ij‖ (λ={self.hp.lam}, ν={self._nu:.3g}), ordered by true cluster")
         ax.set_xlabel("device")
         ax.set_ylabel("device")
         fig.tight_layout()

@@ -8,7 +8,8 @@ returned by the clients that chose it this round (unweighted, as the reference; 
 samples`` weights by training-set size); a model nobody chose is left as it is.
 
 A client's personalized model is the cluster model it would pick now (lowest training loss) — also
-for clients that were not sampled; the choice is cached for one evaluation. ``cluster/num`` and
+for clients that were not sampled: at an evaluation every client receives the K models (counted as
+``comm/eval_down_bytes``) and returns its choice (``comm/eval_up_bytes``). ``cluster/num`` and
 ``cluster/ari`` are computed from those choices.
 
 Decisions where the spec is silent or we deviate from the FPFC repository (fpfc.md §9):
@@ -37,7 +38,7 @@ from ..federation.messages import Message
 from ..schema import hp
 from ..training import Params, evaluate
 from . import register
-from .base import ClientHandle, Method
+from .base import ClientHandle, EvalPlan, Method
 
 
 def index_tensor(index: int, num: int) -> torch.Tensor:
@@ -75,7 +76,6 @@ class IFCA(Method):
     name = "ifca"
     Hparams = IFCAHparams
     description = "Iterative federated clustering: K models, clients pick by lowest loss (Ghosh et al. 2020)"
-    server_attrs = ("models", "version")
 
     def setup(self) -> None:
         k = self.hp.k
@@ -84,20 +84,14 @@ class IFCA(Method):
         else:
             shared = self.ctx.init_params("ifca", 0)
             self.models = [{n: t.clone() for n, t in shared.items()} for _ in range(k)]
-        self.version = 0  # bumped whenever the models change; keys the evaluation cache
-        self._choices: dict[int, int] = {}
-        self._choices_version = -1
-
-    def load_server_state(self, state) -> None:
-        super().load_server_state(state)
-        self._choices, self._choices_version = {}, -1
+        self._labels: list[int] | None = None  # every client's choice at the last evaluation
 
     def broadcast(self, rnd: int, cid: int) -> Message:
         return Message.of(_pack(self.models))
 
     def _choose(self, client: ClientHandle, models: Sequence[Params]) -> int:
         d = client.data
-        losses = [evaluate(client.model, m, d.x_train, d.y_train, self.ctx.data.task).loss for m in models]
+        losses = [evaluate(client.model, m, d.x_train, d.y_train, self.ctx.meta.task).loss for m in models]
         return int(np.argmin(losses))
 
     def local_update(self, rnd: int, client: ClientHandle, msg: Message | None) -> Message:
@@ -116,30 +110,23 @@ class IFCA(Method):
         for j, members in groups.items():
             weights = [r.info["n"] for r in members] if self.hp.weighting == "samples" else None
             self.models[j] = weighted_average([r.tensors() for r in members], weights, names=names)
-        if groups:
-            self.version += 1
 
-    # ---- evaluation ----------------------------------------------------------------------------
-    def choice(self, client: ClientHandle) -> int:
-        if self._choices_version != self.version:
-            self._choices, self._choices_version = {}, self.version
-        if client.cid not in self._choices:
-            self._choices[client.cid] = self._choose(client, self.models)
-        return self._choices[client.cid]
+    # ---- evaluation: every client receives the K models, picks one and says which -----------------
+    def eval_message(self, rnd: int, cid: int) -> Message:
+        return Message.of(_pack(self.models))
 
-    def personal_params(self, client: ClientHandle) -> Params:
-        return self.models[self.choice(client)]
+    def eval_plan(self, rnd: int, client: ClientHandle, msg: Message | None) -> EvalPlan:
+        models = _unpack(msg.tensors(), self.hp.k)
+        j = self._choose(client, models)
+        return EvalPlan(models[j], reply=Message.of({"cluster": index_tensor(j, self.hp.k)}))
 
-    def labels(self) -> list[int]:
-        """Every client's current choice (computed for clients the evaluation has not reached)."""
-        return [self.choice(self._handle(cid)) for cid in range(self.ctx.num_clients)]
-
-    def _handle(self, cid: int) -> ClientHandle:
-        # the choice only reads the client's own training split, never its state
-        return ClientHandle(cid, self.ctx.data.clients[cid], {}, self.ctx)
+    def eval_aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
+        self._labels = [int(replies[cid]["cluster"][0]) for cid in sorted(replies)]
 
     def extra_metrics(self, rnd: int, final: bool = False) -> dict[str, float]:
-        return assignment_metrics(self.labels(), self.ctx.data)
+        return assignment_metrics(self._labels, self.ctx.meta) if self._labels is not None else {}
 
     def artifacts(self, outdir: str) -> list[str]:
-        return [write_assignment_table(outdir, "ifca_assignments.csv", self.labels(), self.ctx.data)]
+        if self._labels is None:
+            return []
+        return [write_assignment_table(outdir, "ifca_assignments.csv", self._labels, self.ctx.meta)]

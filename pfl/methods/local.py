@@ -13,8 +13,8 @@ class Local(Method):
     name = "local"
     description = "Local training only (no communication)"
 
-    def setup(self) -> None:
-        self.init = self.ctx.init_params()
+    def configure(self) -> None:
+        self.init = self.ctx.init_params()  # every client regenerates it from the run seed
 
     def init_client(self, client: ClientHandle) -> None:
         # the same start as the federated methods, so the comparison is about collaboration only
@@ -26,5 +26,5 @@ class Local(Method):
         client.state["train_loss"] = result.mean_loss
         return None
 
-    def personal_params(self, client: ClientHandle) -> Params:
+    def personal_params(self, rnd: int, client: ClientHandle, received: Params | None) -> Params:
         return client.state["params"]

@@ -126,11 +126,12 @@ class PACFL(Method):
     name = "pacfl"
     Hparams = PACFLHparams
     description = "One-shot clustering by principal angles of data subspaces, then FedAvg per cluster"
-    server_attrs = ("init", "bases", "prox", "labels", "models", "n")
+
+    def configure(self) -> None:
+        self.init: Params = self.ctx.init_params()  # regenerated from the run seed by every party
 
     def setup(self) -> None:
         m = self.ctx.num_clients
-        self.init: Params = self.ctx.init_params()
         self.bases: dict[int, torch.Tensor] = {}
         self.prox = torch.full((m, m), float("nan"))  # degrees; nan until both bases are known
         self.labels: dict[int, int] = {}              # client -> cluster, for clients with a basis
@@ -145,7 +146,7 @@ class PACFL(Method):
     def local_update(self, rnd: int, client: ClientHandle, msg: Message | None) -> Message:
         d = client.data
         if msg.info.get("send_basis"):
-            y = d.y_train if self.ctx.data.task == "classification" else None
+            y = d.y_train if self.ctx.meta.task == "classification" else None
             return Message.of({"basis": data_basis(d.x_train, y, self.hp.n_basis)}, n=client.n_train)
         result = client.train(msg.tensors(), rnd)
         return Message.of(result.params, train_loss=result.mean_loss, n=client.n_train)
@@ -193,9 +194,13 @@ class PACFL(Method):
         self.labels, self.models = labels, models
 
     # ---- evaluation ----------------------------------------------------------------------------
-    def personal_params(self, client: ClientHandle) -> Params:
-        c = self.labels.get(client.cid)
-        return self.init if c is None else self.models[c]
+    def eval_message(self, rnd: int, cid: int) -> Message | None:
+        """Its cluster's model; nothing for a client without a basis yet (it uses θ^0)."""
+        c = self.labels.get(cid)
+        return None if c is None else Message.of(self.models[c])
+
+    def personal_params(self, rnd: int, client: ClientHandle, received: Params | None) -> Params:
+        return self.init if received is None else received
 
     def assignment(self) -> np.ndarray:
         """Cluster per client; a client without a basis yet is a cluster of its own."""
@@ -210,9 +215,9 @@ class PACFL(Method):
         return out
 
     def extra_metrics(self, rnd: int, final: bool = False) -> dict[str, float]:
-        metrics = assignment_metrics(self.assignment(), self.ctx.data)
+        metrics = assignment_metrics(self.assignment(), self.ctx.meta)
         metrics["pacfl/clients_with_basis"] = float(len(self.bases))
         return metrics
 
     def artifacts(self, outdir: str) -> list[str]:
-        return [write_assignment_table(outdir, "pacfl_assignments.csv", self.assignment(), self.ctx.data)]
+        return [write_assignment_table(outdir, "pacfl_assignments.csv", self.assignment(), self.ctx.meta)]

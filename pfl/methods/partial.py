@@ -43,17 +43,17 @@ from .fedavg import FedAvg, FedAvgHparams
 class PartialSharing(FedAvg):
     """FedAvg over the ``shared`` parameter names only; the rest is kept per client."""
 
-    server_attrs = ("global_model",)
-
     def shared_names(self) -> list[str]:
         raise NotImplementedError
 
-    def setup(self) -> None:
-        super().setup()
+    def configure(self) -> None:
+        super().configure()
+        init = self.ctx.init_params()  # θ^0, regenerated from the run seed
+        self.names = list(init)
         self.shared = self.shared_names()
         shared = set(self.shared)
-        self.own_names = [k for k in self.global_model if k not in shared]
-        self.init_own: Params = {k: self.global_model[k].clone() for k in self.own_names}
+        self.own_names = [k for k in self.names if k not in shared]
+        self.init_own: Params = {k: init[k] for k in self.own_names}
 
     def own(self, client: ClientHandle) -> Params:
         return client.state.get("own", self.init_own)
@@ -64,7 +64,7 @@ class PartialSharing(FedAvg):
     def start_params(self, client: ClientHandle, received: Params) -> Params:
         """The model local training starts from: the received shared part + the client's own part."""
         own = self.own(client)
-        return {k: (received[k] if k in received else own[k]) for k in self.global_model}
+        return {k: (received[k] if k in received else own[k]) for k in self.names}
 
     def local_train(self, rnd: int, client: ClientHandle, start: Params):
         return client.train(start, rnd)
@@ -90,9 +90,13 @@ class PartialSharing(FedAvg):
     def global_params(self) -> Params | None:
         return None
 
-    def personal_params(self, client: ClientHandle) -> Params:
+    def eval_message(self, rnd: int, cid: int) -> Message:
+        """The shared part a client is evaluated with (the one it would receive next)."""
+        return Message.of({k: self.global_model[k] for k in self.shared})
+
+    def personal_params(self, rnd: int, client: ClientHandle, received: Params | None) -> Params:
         own = self.own(client)
-        return {k: (own[k] if k in own else self.global_model[k]) for k in self.global_model}
+        return {k: (own[k] if k in own else received[k]) for k in self.names}
 
 
 @dataclass
@@ -132,7 +136,6 @@ class LGFedAvg(PartialSharing):
     name = "lgfedavg"
     Hparams = LGFedAvgHparams
     description = "LG-FedAvg: local representations, global head (Liang et al. 2020)"
-    server_attrs = ("global_model", "synced")
 
     def shared_names(self) -> list[str]:
         return list(layer_groups(self.ctx.model).head)

@@ -189,13 +189,12 @@ class PerFedCKT(Method):
     name = "perfed_ckt"
     Hparams = PerFedCKTHparams
     description = "Clustered knowledge transfer on public-set logits, heterogeneous models (Cho et al. 2021)"
-    server_attrs = ("logits", "known", "assign", "centroids", "cluster_round")
 
     # ---- setup -------------------------------------------------------------------------------
-    def setup(self) -> None:
+    def configure(self) -> None:
         from ..models import build_model, num_params
 
-        ctx, data = self.ctx, self.ctx.data
+        ctx, data = self.ctx, self.ctx.meta
         if data.task != "classification":
             raise ConfigError("method.name", "perfed_ckt needs a classification task (it distils class logits)")
         self.archs = parse_architectures(self.hp, ctx.cfg, tuple(data.input_shape))
@@ -210,10 +209,8 @@ class PerFedCKT(Method):
             # no per-client parts: for cfg.model this is exactly Local's initialisation
             self.arch_init.append(ctx.init_params(model=model))
         self.arch_params = [num_params(m) for m in self.arch_models]
-        n_train = np.array([c.n_train for c in data.clients], dtype=float)
+        n_train = np.array(data.client_sizes, dtype=float)
         self.arch_of, self.arch_scores = assign_architectures(n_train, len(self.archs), ctx.rng("arch"))
-        for cid, a in enumerate(self.arch_of):
-            ctx.client_models[cid] = self.arch_models[int(a)]
 
         self.public = build_public_set(ctx, self.hp.public_source, self.hp.public_size)
         self.n_public = len(self.public)
@@ -221,7 +218,11 @@ class PerFedCKT(Method):
         self.n_rows = self.n_public if per_round == 0 else min(per_round, self.n_public)
         self.wire_dtype = DTYPES[self.hp.logit_dtype]
 
-        m, c = data.num_clients, data.num_classes
+    def client_model(self, cid: int) -> torch.nn.Module:
+        return self.arch_models[int(self.arch_of[cid])]
+
+    def setup(self) -> None:
+        ctx, m, c = self.ctx, self.ctx.num_clients, self.ctx.meta.num_classes
         self.logits = torch.full((m, self.n_public, c), float("nan"), device=ctx.device)
         self.known = torch.zeros(m, dtype=torch.bool, device=ctx.device)
         self.assign = torch.full((m,), -1, dtype=torch.long, device=ctx.device)
@@ -336,7 +337,7 @@ class PerFedCKT(Method):
         logits = self._public_logits(client, result.params, x_pub)
         return Message.of({"logits": logits.to(self.wire_dtype)}, n=client.n_train, train_loss=result.mean_loss)
 
-    def personal_params(self, client: ClientHandle) -> Params:
+    def personal_params(self, rnd: int, client: ClientHandle, received: Params | None) -> Params:
         return client.state["params"]
 
     # ---- reporting ---------------------------------------------------------------------------
@@ -350,7 +351,7 @@ class PerFedCKT(Method):
         if len(stored) == 0:
             return out
         labels = self.assign.cpu().numpy()[stored]
-        true = self.ctx.data.true_clusters
+        true = self.ctx.meta.true_clusters
         out.update(cluster_metrics(labels, None if true is None else np.asarray(true)[stored]))
         out["cluster/ari_arch"] = float(adjusted_rand_score(self.arch_of[stored], labels))
         sizes = np.bincount(labels)
@@ -362,13 +363,13 @@ class PerFedCKT(Method):
     def artifacts(self, outdir: str) -> list[str]:
         out = Path(outdir)
         arch_path = out / "perfed_ckt_architectures.csv"
-        true = self.ctx.data.true_clusters
+        true = self.ctx.meta.true_clusters
         with arch_path.open("w", newline="") as fh:
             w = csv.writer(fh)
             w.writerow(["client", "arch_id", "arch", "num_params", "n_train", "score"])
             for cid, a in enumerate(self.arch_of):
                 w.writerow([cid, int(a), self.archs[int(a)].label, self.arch_params[int(a)],
-                            self.ctx.data.clients[cid].n_train, f"{self.arch_scores[cid]:.4f}"])
+                            self.ctx.meta.client_sizes[cid], f"{self.arch_scores[cid]:.4f}"])
         cluster_path = out / "perfed_ckt_clusters.csv"
         assign = self.assign.cpu().numpy()
         with cluster_path.open("w", newline="") as fh:

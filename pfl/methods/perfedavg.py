@@ -106,11 +106,6 @@ class PerFedAvg(FedAvg):
     name = "perfedavg"
     Hparams = PerFedAvgHparams
     description = "Per-FedAvg: MAML-style personalised FedAvg (Fallah et al. 2020)"
-    server_attrs = ("global_model", "last_round")
-
-    def setup(self) -> None:
-        super().setup()
-        self.last_round = 0
 
     def _batches_per_step(self) -> int:
         return 2 if self.hp.variant == "fo" else 3
@@ -130,7 +125,7 @@ class PerFedAvg(FedAvg):
         alpha, beta = self.hp.alpha or lr, self.hp.beta or lr
         fed = self.ctx.cfg.federation
         n, b = client.n_train, fed.batch_size
-        grad_fn = BatchGradient(client.model, client.data.x_train, client.data.y_train, self.ctx.data.task)
+        grad_fn = BatchGradient(client.model, client.data.x_train, client.data.y_train, self.ctx.meta.task)
         gen = client.generator(rnd, "perfedavg-batches")
         extra = self._batches_per_step() - 1
         variant, delta = self.hp.variant, self.hp.delta
@@ -147,10 +142,7 @@ class PerFedAvg(FedAvg):
                               grad_hook=meta_step)
         return Message.of(result.params, train_loss=result.mean_loss, n=client.n_train)
 
-    def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
-        super().aggregate(rnd, replies)
-        self.last_round = rnd
-
-    def personal_params(self, client: ClientHandle) -> Params:
-        alpha = self.hp.alpha or self.ctx.lr(self.last_round)
-        return client.train(self.global_model, self.last_round, lr=alpha, steps=1, tag="adapt").params
+    def personal_params(self, rnd: int, client: ClientHandle, received: Params | None) -> Params:
+        # one adaptation step from the global model the evaluation message carried
+        alpha = self.hp.alpha or self.ctx.lr(rnd)
+        return client.train(received, rnd, lr=alpha, steps=1, tag="adapt").params

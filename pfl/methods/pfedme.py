@@ -97,5 +97,5 @@ class PFedMe(FedAvg):
         self.global_model = avg if beta == 1.0 else {
             k: (1 - beta) * g + beta * avg[k] for k, g in self.global_model.items()}
 
-    def personal_params(self, client: ClientHandle) -> Params:
-        return client.state.get("personal", self.global_model)
+    def personal_params(self, rnd: int, client: ClientHandle, received: Params | None) -> Params:
+        return client.state.get("personal", received)

@@ -55,7 +55,6 @@ class Scaffold(FedAvg):
     name = "scaffold"
     Hparams = ScaffoldHparams
     description = "SCAFFOLD: FedAvg with control variates against client drift (option II)"
-    server_attrs = ("global_model", "c")
 
     def setup(self) -> None:
         super().setup()

@@ -18,6 +18,14 @@ is the one continued to the budget. Every round run counts in ``total_rounds``.
 §4: the baseline of the paper's timing table), so both strategies' final models have had the same
 number of rounds and the comparison is of how the rounds were spent.
 
+Both run as :class:`LambdaPath`, a callback that steers the one round loop
+(:mod:`pfl.federation.loop`): it chooses the evaluation rounds, changes λ, snapshots and restores
+model states, and stops the loop when the schedule is done. Its position (phase, stages, the
+finalists' snapshots) is part of the loop's checkpoint, so an interrupted path resumes where it
+was. Restoring a finalist's state restores the model lineage only: the run's executed rounds,
+metric steps and cumulative communication keep counting, so every round run is paid for in
+``total_rounds`` and ``comm/*``.
+
 The paper's text says the path ascends (the default here). The spec's own measurement (§4, §11)
 found that from the official N(0,1) start an ascending path fragments the devices at its first
 small λ (pairs pushed past aλ never feel a pull again) while a descending one keeps the structure
@@ -37,12 +45,12 @@ on seed 0 (val 0.677 vs 0.749 for λ = 1.0) and the path selects λ = 1.0 on bot
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import time
+import math
 from dataclasses import dataclass, field
-from typing import Callable
+from pathlib import Path
+from typing import Any, Callable
 
+from ..federation.loop import Callback, LoopResult, RoundLoop, StopTraining
 from ..schema import ConfigError, hp
 
 Stage = dict[str, float]
@@ -87,33 +95,10 @@ def require_validation(cfg) -> None:
 
 
 def set_lambda(sim, lam: float) -> None:
-    """Change λ of a live FPFC run (method hyperparameters and the config kept in step)."""
-    new = dataclasses.replace(sim.method.hp, lam=float(lam))
-    sim.method.hp = new
-    sim.cfg.method.hparams = new
+    """Change λ of a live FPFC run (both sides of the method, and the config, kept in step)."""
+    import dataclasses
 
-
-def train_until_converged(sim, settings: PathSettings, cap: int,
-                          on_eval: Callable[[dict], None] | None = None, stop_early: bool = True) -> dict:
-    """Run rounds until |Δ val acc| < tolerance (after ``min_stage_rounds``, when ``stop_early``)
-    or ``cap`` rounds."""
-    start = sim.round
-    previous = None
-    last: dict = {}
-    while sim.round - start < cap:
-        target = min(sim.round + settings.eval_every, start + cap)
-        for metrics in sim.rounds(until=target):
-            if on_eval is not None:
-                on_eval(metrics)
-        if "val/acc_mean" not in sim.history[-1]:
-            sim.history[-1].update(sim.evaluate())
-        last = sim.history[-1]
-        val = last["val/acc_mean"]
-        if stop_early and previous is not None and sim.round - start >= settings.min_stage_rounds \
-                and abs(val - previous) < settings.tolerance:
-            break
-        previous = val
-    return dict(last, rounds=sim.round - start)
+    sim.set_hparams(dataclasses.replace(sim.method.hp, lam=float(lam)))
 
 
 def stage_record(lam: float, metrics: dict, rounds: int, wall: float) -> Stage:
@@ -121,6 +106,16 @@ def stage_record(lam: float, metrics: dict, rounds: int, wall: float) -> Stage:
     out = {"lambda": float(lam), "rounds": float(rounds), "wall_s": wall}
     out.update({k: float(metrics[k]) for k in keys if k in metrics})
     return out
+
+
+# a stage record's keys -> the names its MLflow metrics carry after the prefix (stage/, playoff/)
+STAGE_METRICS = {"lambda": "lambda", "val/acc_mean": "val_acc", "test/acc_mean": "test_acc",
+                 "cluster/num": "clusters", "cluster/ari": "ari", "rounds": "rounds"}
+
+
+def stage_metrics(stage: dict, prefix: str = "stage/") -> dict[str, float]:
+    """A path stage (or playoff match) as metrics (``stage/*``, ``playoff/*``)."""
+    return {prefix + name: float(stage[key]) for key, name in STAGE_METRICS.items() if key in stage}
 
 
 @dataclass
@@ -133,84 +128,207 @@ class PathResult:
     extra: dict = field(default_factory=dict)
 
 
-def warmup_path(sim, settings: PathSettings, on_stage: Callable[[int, Stage], None] | None = None,
-                on_eval: Callable[[dict], None] | None = None) -> PathResult:
-    """The warm-started λ path on a fresh simulator, the playoff of its best stages (when
-    ``finalists`` > 1), then the chosen λ continued to the budget."""
-    require_validation(sim.cfg)
-    started = time.perf_counter()
-    stages: list[Stage] = []
-    finalists: list[Candidate] = []  # the best stages so far, best first
-    best_val, below = -1.0, 0
-    for index, lam in enumerate(settings.ordered()):
-        t0 = time.perf_counter()
+class LambdaPath(Callback):
+    """Steers a run through the warm-up path (``strategy="warmup"``) or one separate λ.
+
+    Segments of rounds are trained at one λ from a start round: a path stage (ends on the tolerance
+    after ``min_stage_rounds`` or at ``stage_cap``), a playoff match (``playoff_rounds``), the final
+    continuation (to ``budget`` lineage rounds) or a separate run (``budget`` rounds). Evaluations
+    fall every ``eval_every`` rounds of a segment and at its end. Each stage end adds ``stage/*``
+    to that round's metrics, each playoff end ``playoff/*``; at the end ``loop.summary`` holds
+    ``fpfc/selected_lambda``, ``fpfc/total_rounds``, ``fpfc/path_stages`` and the final model's
+    metrics.
+    """
+
+    key = "lambda_path"
+
+    def __init__(self, settings: PathSettings, strategy: str = "warmup",
+                 on_stage: Callable[[int, Stage], None] | None = None):
+        if strategy not in ("warmup", "separate"):
+            raise ConfigError("strategy", f"unknown strategy {strategy!r}; allowed: warmup, separate")
+        self.settings = settings
+        self.strategy = strategy
+        self.on_stage = on_stage
+        self.st: dict[str, Any] = {}   # the position; empty before the first round
+
+    # ---- segments ------------------------------------------------------------------------------
+    def _segment(self, sim, lam: float, cap: int, stop_early: bool) -> None:
         set_lambda(sim, lam)
-        metrics = train_until_converged(sim, settings, settings.stage_cap, on_eval)
-        stage = stage_record(lam, metrics, metrics["rounds"], time.perf_counter() - t0)
-        stages.append(stage)
-        if on_stage is not None:
-            on_stage(index, stage)
-        keep_best(finalists, lam, metrics, sim, settings.finalists)
-        if stage["val/acc_mean"] > best_val:
-            best_val, below = stage["val/acc_mean"], 0
+        self.st.update(lam=float(lam), start=sim.round, cap=int(cap), stop_early=stop_early, prev=None,
+                       t0=sim.elapsed)
+
+    def on_start(self, loop: RoundLoop) -> None:
+        if self.st:
+            return  # resumed from a checkpoint: the position came with it
+        sim = loop.sim
+        require_validation(sim.cfg)
+        if self.strategy == "separate":
+            self.st = {"phase": "separate"}
+            self._segment(sim, sim.method.hp.lam, self.settings.budget, stop_early=False)
+            return
+        self.st = {"phase": "path", "index": 0, "stages": [], "finalists": [], "best": -math.inf,
+                   "below": 0, "playoff": [], "match": 0}
+        self._segment(sim, self.settings.ordered()[0], self.settings.stage_cap, stop_early=True)
+
+    def wants_eval(self, loop: RoundLoop, rnd: int) -> bool:
+        done = rnd + 1 - self.st["start"]
+        return done % self.settings.eval_every == 0 or done >= self.st["cap"]
+
+    def on_round(self, loop: RoundLoop, metrics: dict[str, float]) -> None:
+        if "val/acc_mean" not in metrics:
+            return
+        sim, st, cfg = loop.sim, self.st, self.settings
+        rounds = sim.round - st["start"]
+        val = float(metrics["val/acc_mean"])
+        ended = rounds >= st["cap"]
+        if st["stop_early"] and st["prev"] is not None and rounds >= cfg.min_stage_rounds \
+                and abs(val - st["prev"]) < cfg.tolerance:
+            ended = True
+        st["prev"] = val
+        if not ended:
+            return
+        record = stage_record(st["lam"], metrics, rounds, sim.elapsed - st["t0"])
+        getattr(self, f"_end_{st['phase']}")(loop, metrics, record)
+
+    # ---- the phases ----------------------------------------------------------------------------
+    def _end_path(self, loop: RoundLoop, metrics: dict, record: Stage) -> None:
+        sim, st, cfg = loop.sim, self.st, self.settings
+        st["stages"].append(record)
+        metrics.update(stage_metrics(record))
+        if self.on_stage is not None:
+            self.on_stage(st["index"], record)
+        self._keep_best(sim, record["val/acc_mean"], metrics)
+        if record["val/acc_mean"] > st["best"]:
+            st["best"], st["below"] = record["val/acc_mean"], 0
         else:
-            below += 1
-            if below >= settings.patience:
-                break
-    executed = sim.round
-    playoff: list[Stage] = []
-    if len(finalists) > 1 and settings.playoff_rounds > 0:
-        # short path stages rank λ by training progress as much as by λ; a few hundred rounds
-        # more from each finalist's state show which λ keeps improving
-        for candidate in finalists:
-            t0 = time.perf_counter()
-            sim.load_state_dict(candidate.state)
-            set_lambda(sim, candidate.lam)
-            candidate.metrics = train_until_converged(sim, settings, settings.playoff_rounds, on_eval,
-                                                      stop_early=False)
-            candidate.val = candidate.metrics["val/acc_mean"]
-            candidate.state = copy.deepcopy(sim.state_dict())
-            executed += settings.playoff_rounds
-            playoff.append(stage_record(candidate.lam, candidate.metrics, settings.playoff_rounds,
-                                        time.perf_counter() - t0))
-    winner = max(finalists, key=lambda c: c.val)
-    sim.load_state_dict(winner.state)
-    set_lambda(sim, winner.lam)
-    start = sim.round
-    t0 = time.perf_counter()
-    metrics = winner.metrics
-    if settings.budget > start:
-        metrics = train_until_converged(sim, settings, settings.budget - start, on_eval, stop_early=False)
-    final = stage_record(winner.lam, metrics, sim.round - start, time.perf_counter() - t0)
-    total = executed + sim.round - start
-    return PathResult(stages, float(winner.lam), final, total, time.perf_counter() - started,
-                      extra={"playoff": playoff})
+            st["below"] += 1
+        st["index"] += 1
+        if st["below"] >= cfg.patience or st["index"] >= len(cfg.ordered()):
+            self._after_path(loop)
+        else:
+            self._segment(sim, cfg.ordered()[st["index"]], cfg.stage_cap, stop_early=True)
+
+    def _keep_best(self, sim, val: float, metrics: dict) -> None:
+        """Snapshot the model into the finalists (best first) if this stage is among the best."""
+        finalists, size = self.st["finalists"], self.settings.finalists
+        if len(finalists) >= size and val <= finalists[-1]["val"]:
+            return
+        finalists.append({"lam": self.st["lam"], "val": val, "metrics": dict(metrics), "state": sim.snapshot()})
+        finalists.sort(key=lambda c: -c["val"])
+        del finalists[size:]
+
+    def _after_path(self, loop: RoundLoop) -> None:
+        st = self.st
+        if len(st["finalists"]) > 1 and self.settings.playoff_rounds > 0:
+            # short path stages rank λ by training progress as much as by λ; a few hundred rounds
+            # more from each finalist's state show which λ keeps improving
+            st["phase"], st["match"] = "playoff", 0
+            self._start_match(loop)
+        else:
+            self._start_final(loop, st["finalists"][0])
+
+    def _start_match(self, loop: RoundLoop) -> None:
+        candidate = self.st["finalists"][self.st["match"]]
+        loop.sim.restore(candidate["state"])
+        self._segment(loop.sim, candidate["lam"], self.settings.playoff_rounds, stop_early=False)
+
+    def _end_playoff(self, loop: RoundLoop, metrics: dict, record: Stage) -> None:
+        st = self.st
+        candidate = st["finalists"][st["match"]]
+        candidate.update(val=record["val/acc_mean"], metrics=dict(metrics), state=loop.sim.snapshot())
+        st["playoff"].append(record)
+        metrics.update(stage_metrics(record, "playoff/"))
+        st["match"] += 1
+        if st["match"] < len(st["finalists"]):
+            self._start_match(loop)
+        else:
+            self._start_final(loop, max(st["finalists"], key=lambda c: c["val"]))
+
+    def _start_final(self, loop: RoundLoop, winner: dict) -> None:
+        sim, st = loop.sim, self.st
+        st["phase"] = "final"
+        sim.restore(winner["state"])
+        st["finalists"] = [dict(winner, state=None)]  # the other snapshots are no longer needed
+        if self.settings.budget > sim.round:
+            self._segment(sim, winner["lam"], self.settings.budget - sim.round, stop_early=False)
+        else:
+            set_lambda(sim, winner["lam"])
+            st.update(lam=winner["lam"], start=sim.round, t0=sim.elapsed)
+            self._finish(loop, stage_record(winner["lam"], winner["metrics"], 0, 0.0))
+
+    def _end_final(self, loop: RoundLoop, metrics: dict, record: Stage) -> None:
+        self._finish(loop, record)
+
+    def _end_separate(self, loop: RoundLoop, metrics: dict, record: Stage) -> None:
+        self._finish(loop, record)
+
+    def _finish(self, loop: RoundLoop, final: Stage) -> None:
+        st = self.st
+        st["phase"], st["final"] = "done", final
+        loop.summary.update({"fpfc/selected_lambda": final["lambda"], "fpfc/total_rounds": float(loop.sim.executed),
+                             "fpfc/path_stages": float(len(st.get("stages", [])) or 1)})
+        loop.summary.update({k: v for k, v in final.items() if "/" in k})
+        raise StopTraining("FINISHED")
+
+    # ---- results -------------------------------------------------------------------------------
+    def result(self, loop: RoundLoop) -> PathResult:
+        st = self.st
+        stages = st.get("stages") or [st["final"]]
+        return PathResult(stages, float(st["final"]["lambda"]), st["final"], int(loop.sim.executed),
+                          loop.sim.elapsed, extra={"playoff": list(st.get("playoff", []))})
+
+    def on_end(self, loop: RoundLoop, result: LoopResult) -> None:
+        if result.status == "FINISHED" and self.st.get("phase") != "done":
+            raise RuntimeError("the λ schedule did not finish (the loop ended before it)")
+
+    def write_artifacts(self, loop: RoundLoop, outdir: Path) -> list[tuple[Path, str | None]]:
+        if self.strategy != "warmup" or not self.st.get("stages"):
+            return []
+        from .fpfc_trainable import plot_path, write_stages
+
+        files = [(write_stages(self.st["stages"], outdir / "lambda_path.csv"), None)]
+        if self.st["playoff"]:
+            files.append((write_stages(self.st["playoff"], outdir / "lambda_playoff.csv"), None))
+        files.append((plot_path(self.st["stages"], outdir / "lambda_path.png",
+                                f"FPFC λ path ({self.settings.direction})", self.st["playoff"]), "plots"))
+        return files
+
+    def state_dict(self) -> dict:
+        return self.st
+
+    def load_state_dict(self, state: dict) -> None:
+        self.st = dict(state)
 
 
-@dataclass
-class Candidate:
-    """A path stage kept for the final choice: its λ, validation accuracy and simulator state."""
-    lam: float
-    val: float
-    metrics: dict
-    state: dict
+def _run(sim, controller: LambdaPath, on_round: Callable[[dict], None] | None) -> LambdaPath:
+    from ..callbacks import StopOnDivergence
+    from ..federation.simulator import DivergedError
+
+    class _Hook(Callback):
+        def on_round(self, loop, metrics):
+            on_round(metrics)
+
+    # the hook sees each round before the controller may restore another branch's state
+    chain: list[Callback] = [StopOnDivergence()] + ([_Hook()] if on_round else []) + [controller]
+    loop = RoundLoop(sim, chain)
+    result = loop.run(until=math.inf)
+    if result.status == "FAILED":
+        raise DivergedError(result.reason)
+    controller.loop = loop
+    return controller
 
 
-def keep_best(finalists: list[Candidate], lam: float, metrics: dict, sim, size: int) -> None:
-    """Snapshot the simulator into ``finalists`` (best first) if this stage is among the ``size`` best."""
-    val = float(metrics["val/acc_mean"])
-    if len(finalists) >= size and val <= finalists[-1].val:
-        return
-    finalists.append(Candidate(float(lam), val, metrics, copy.deepcopy(sim.state_dict())))
-    finalists.sort(key=lambda c: -c.val)
-    del finalists[size:]
+def warmup_path(sim, settings: PathSettings, on_stage: Callable[[int, Stage], None] | None = None,
+                on_round: Callable[[dict], None] | None = None) -> PathResult:
+    """The warm-started λ path on a fresh simulator, the playoff of its best stages (when
+    ``finalists`` > 1), then the chosen λ continued to the budget (without callbacks of a sweep)."""
+    controller = _run(sim, LambdaPath(settings, "warmup", on_stage), on_round)
+    return controller.result(controller.loop)
 
 
 def separate_run(sim, lam: float, settings: PathSettings,
-                 on_eval: Callable[[dict], None] | None = None) -> Stage:
+                 on_round: Callable[[dict], None] | None = None) -> Stage:
     """One λ from scratch for the full budget (the separate strategy's unit of work)."""
-    require_validation(sim.cfg)
-    t0 = time.perf_counter()
     set_lambda(sim, lam)
-    metrics = train_until_converged(sim, settings, settings.budget, on_eval, stop_early=False)
-    return stage_record(lam, metrics, metrics["rounds"], time.perf_counter() - t0)
+    controller = _run(sim, LambdaPath(settings, "separate"), on_round)
+    return controller.st["final"]

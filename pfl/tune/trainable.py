@@ -4,28 +4,27 @@ The trial's Tune config holds only the searched dotted values; the constants eve
 come through ``tune.with_parameters`` as ``setup``: the base experiment config (``base``, a raw
 dict), the MLflow parent run (``parent_run_id``, ``experiment``), the tracking environment
 (``env``), the trial's CPU count (``cpus``) and the checkpoint period (``checkpoint_every``).
-The trainable logs every round's metrics to MLflow and reports the evaluation rounds to Tune
-(``round`` is the scheduler's time attribute), saves a checkpoint at the first evaluation round
-``_checkpoint_every`` rounds after the last one and at the last round, and keeps its MLflow run id in the checkpoint
-so that a restored trial continues the same MLflow run.
+A trial is the round loop (:mod:`pfl.federation.loop`) with the divergence check, the MLflow logger
+and the Tune reporter (:mod:`pfl.callbacks.tune`): every round is logged to MLflow, evaluation
+rounds are reported to Tune (``round`` is the scheduler's time attribute), and a checkpoint holding
+the simulator and the MLflow run id goes with a report every ``checkpoint_every`` rounds, so a
+restored trial continues the same rounds and the same MLflow run.
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import torch
 
+from ..callbacks import MLflowLogger, StopOnDivergence
+from ..callbacks.tune import STATE_FILE, TuneReporter
 from ..config import apply_overrides, resolve
-from ..federation.simulator import DivergedError, Simulator, simulator_for
-from ..runner import config_params, log_artifacts
+from ..federation.loop import Callback, LoopResult, RoundLoop
+from ..federation.simulator import DivergedError, simulator_for
 from ..tracking import Tracker
-
-RUN_ID_FILE = "mlflow_run_id"
-STATE_FILE = "state.pt"
 
 
 def trial_config(config: dict[str, Any], setup: dict[str, Any]):
@@ -57,19 +56,21 @@ def _context() -> tuple[str, str]:
     return ctx.get_trial_name() or "trial", ctx.get_trial_id() or ""
 
 
-def start_tracker(setup: dict[str, Any], cfg, restored_run_id: str | None) -> Tracker:
-    if not cfg.tracking.enabled:
-        return Tracker.disabled()
-    name, trial_id = _context()
-    if not restored_run_id and trial_id:
-        restored_run_id = existing_run(trial_id, setup.get("parent_run_id"))
-    if restored_run_id:
-        return Tracker.resume(restored_run_id)
-    tracker = Tracker.start(setup.get("experiment"), run_name=name, parent_run_id=setup.get("parent_run_id"),
-                            tags={"ray.trial_id": trial_id, "pfl.method": cfg.method.name,
-                                  "pfl.source": cfg.data.source}, sweep=True)
-    tracker.log_params(config_params(cfg))
-    return tracker
+def trial_run_opener(setup: dict[str, Any], cfg) -> Callable[[str | None], Tracker]:
+    """Opens a trial's MLflow child run: the checkpoint's, the one the trial started before its
+    first checkpoint, or a new one."""
+    def open_run(restored_run_id: str | None) -> Tracker:
+        if not cfg.tracking.enabled:
+            return Tracker.disabled()
+        name, trial_id = _context()
+        if not restored_run_id and trial_id:
+            restored_run_id = existing_run(trial_id, setup.get("parent_run_id"))
+        if restored_run_id:
+            return Tracker.resume(restored_run_id)
+        return Tracker.start(setup.get("experiment"), run_name=name, parent_run_id=setup.get("parent_run_id"),
+                             tags={"ray.trial_id": trial_id}, sweep=True)
+
+    return open_run
 
 
 def existing_run(trial_id: str, parent_run_id: str | None) -> str | None:
@@ -89,47 +90,27 @@ def existing_run(trial_id: str, parent_run_id: str | None) -> str | None:
     return runs[0].info.run_id if runs else None
 
 
-def save_checkpoint(sim: Simulator, tracker: Tracker, directory: Path) -> None:
-    sim.save(directory / STATE_FILE)
-    (directory / RUN_ID_FILE).write_text(tracker.run_id or "")
-
-
-def federated_trainable(config: dict[str, Any], setup: dict[str, Any]) -> None:
+def run_trial(cfg, setup: dict[str, Any], steering: Sequence[Callback] = (), until: float | None = None) -> RoundLoop:
+    """One Tune trial of ``cfg``: the loop with ``steering`` callbacks (a pipeline's schedule,
+    before the loggers), MLflow and Tune reporting, restored from Tune's checkpoint if there is one.
+    A diverged run raises :class:`DivergedError` after its MLflow run is marked FAILED."""
     from ray import tune
 
     os.environ.update(setup.get("env", {}))
-    cfg = trial_config(config, setup)
     torch.set_num_threads(cfg.federation.threads)
     sim = simulator_for(cfg)(cfg)
-    restored_run_id = None
+    logger = MLflowLogger(trial_run_opener(setup, cfg))
+    reporter = TuneReporter(int(setup.get("checkpoint_every", 5)), run_id=lambda: logger.run_id)
+    loop = RoundLoop(sim, [StopOnDivergence(), *steering, logger, reporter])
     checkpoint = tune.get_checkpoint()
     if checkpoint is not None:
         with checkpoint.as_directory() as d:
-            sim.load(Path(d) / STATE_FILE)
-            restored_run_id = (Path(d) / RUN_ID_FILE).read_text().strip() or None
-    tracker = start_tracker(setup, cfg, restored_run_id)
-    every = int(setup.get("checkpoint_every", 5))
-    total = cfg.federation.rounds
-    last_saved = sim.round
-    try:
-        for metrics in sim.rounds():
-            tracker.log_metrics({k: v for k, v in metrics.items() if k != "round"}, step=int(metrics["round"]))
-            if not sim.is_eval_round(int(metrics["round"])):
-                continue  # Tune sees evaluation rounds only, so every report holds the metric
-            report = dict(metrics, round=sim.round, mlflow_run_id=tracker.run_id or "")
-            if sim.round - last_saved >= every or sim.round == total:
-                last_saved = sim.round
-                with tempfile.TemporaryDirectory() as tmp:
-                    save_checkpoint(sim, tracker, Path(tmp))
-                    tune.report(report, checkpoint=tune.Checkpoint.from_directory(tmp))
-            else:
-                tune.report(report)
-    except DivergedError as err:
-        tracker.set_tags({"pfl.failure": str(err)})
-        tracker.end("FAILED")
-        raise
-    except BaseException as err:
-        tracker.set_tags({"pfl.failure": f"{type(err).__name__}: {err}"})
-        raise
-    log_artifacts(sim, tracker)
-    tracker.end("FINISHED")
+            loop.load(Path(d) / STATE_FILE)
+    result: LoopResult = loop.run(until)
+    if result.status == "FAILED":
+        raise DivergedError(result.reason)
+    return loop
+
+
+def federated_trainable(config: dict[str, Any], setup: dict[str, Any]) -> None:
+    run_trial(trial_config(config, setup), setup)

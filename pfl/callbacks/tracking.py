@@ -1,0 +1,129 @@
+"""The MLflow run of one federated run: params, per-round metrics, artifacts, final status.
+
+``step`` of every metric is the number of rounds computed so far (round 20 on the console is step
+20). On resume the run continues the same MLflow run (its id is part of the checkpoint) and rounds
+whose step is already logged are not logged again. At the end of a finished run: ``config.yaml``,
+``client_metrics.csv``, ``plots/accuracy_vs_round.png``, ``plots/accuracy_vs_bytes.png``,
+``model/model_state.pt``, the method's artifacts, the other callbacks' artifacts and the loop's
+summary metrics; a run that did not finish gets its reason as the tag ``pfl.failure``.
+"""
+
+from __future__ import annotations
+
+import csv
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..federation.loop import Callback, LoopResult
+from ..schema import flatten
+from ..tracking import Tracker, load_settings
+
+
+def config_params(cfg) -> dict[str, str]:
+    """Every resolved config value as a flat MLflow param."""
+    return dict(flatten(cfg.to_dict()))
+
+
+def write_client_table(rows: list[dict], path: Path) -> Path:
+    fields = list(dict.fromkeys(k for row in rows for k in row))
+    with path.open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+def final_model_state(sim, max_bytes: int = 256 * 2**20) -> dict:
+    """Global model and (when small enough) every client's personalized model."""
+    glob = sim.method.global_params()
+    state: dict = {"global": glob, "clients": None}
+    per_client: dict | None = {}
+    size = 0
+    for cid, params in sim.personal_models().items():
+        if glob is not None and all(k in glob and torch.equal(params[k], glob[k]) for k in params):
+            continue
+        size += sum(t.numel() * t.element_size() for t in params.values())
+        if size > max_bytes:
+            per_client = None
+            break
+        per_client[cid] = params
+    state["clients"] = per_client or None
+    return state
+
+
+def write_run_artifacts(sim, outdir: Path) -> list[tuple[Path, str | None]]:
+    from ..plots import plot_history
+
+    settings = load_settings()["log"]
+    title = f"{sim.cfg.method.name} on {sim.cfg.data.source}"
+    files: list[tuple[Path, str | None]] = []
+    (outdir / "config.yaml").write_text(sim.cfg.to_yaml())
+    files.append((outdir / "config.yaml", None))
+    if settings.get("client_table", True) and sim.last_client_table:
+        files.append((write_client_table(sim.last_client_table, outdir / "client_metrics.csv"), None))
+    if settings.get("plots", True) and sim.history:
+        files.append((plot_history(sim.history, outdir / "accuracy_vs_round.png", title=title), "plots"))
+        files.append((plot_history(sim.history, outdir / "accuracy_vs_bytes.png", x_key="comm/total_bytes",
+                                   title=title), "plots"))
+    if settings.get("model", True) and sim.cfg.tracking.log_model:
+        torch.save(final_model_state(sim), outdir / "model_state.pt")
+        files.append((outdir / "model_state.pt", "model"))
+    files.extend((Path(p), "method") for p in sim.method.artifacts(str(outdir)))
+    return files
+
+
+class MLflowLogger(Callback):
+    """``open_run(run_id or None)`` opens the MLflow run (a new one, or the checkpoint's)."""
+
+    key = "mlflow"
+
+    def __init__(self, open_run: Callable[[str | None], Tracker], announce: Callable[[str], None] | None = None):
+        self.open_run = open_run
+        self.announce = announce
+        self.run_id: str | None = None
+        self.tracker: Tracker = Tracker.disabled()
+        self.logged_until = 0
+
+    def on_start(self, loop) -> None:
+        sim = loop.sim
+        self.tracker = self.open_run(self.run_id)
+        self.run_id = self.tracker.run_id
+        if not self.tracker.enabled:
+            return
+        self.tracker.log_params(config_params(sim.cfg))
+        self.tracker.set_tags({"pfl.method": sim.cfg.method.name, "pfl.source": sim.cfg.data.source})
+        self.logged_until = self.tracker.last_step("time/elapsed_s") if sim.executed else 0
+        if self.announce:
+            self.announce(f"MLflow run {self.run_id} ({sim.cfg.method.name} on {sim.cfg.data.source}, "
+                          f"{sim.num_clients} clients, {sim.cfg.federation.rounds} rounds)")
+
+    def on_round(self, loop, metrics: dict[str, float]) -> None:
+        step = int(metrics["step"])
+        if step <= self.logged_until:
+            return  # logged before an interruption, recomputed identically after the resume
+        self.tracker.log_metrics({k: v for k, v in metrics.items() if k not in ("round", "step")}, step=step)
+
+    def on_end(self, loop, result: LoopResult) -> None:
+        if not self.tracker.enabled:
+            return
+        if result.status == "FINISHED" and result.clean:
+            self.tracker.log_metrics(loop.summary, step=loop.sim.executed)
+            with tempfile.TemporaryDirectory() as tmp:
+                out = Path(tmp)
+                files = write_run_artifacts(loop.sim, out)
+                for cb in loop.callbacks:
+                    files.extend(cb.write_artifacts(loop, out))
+                for path, folder in files:
+                    self.tracker.log_artifact(path, folder)
+        elif result.reason:
+            self.tracker.set_tags({"pfl.failure": result.reason})
+        self.tracker.end(result.status)
+
+    def state_dict(self) -> dict:
+        return {"run_id": self.run_id}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.run_id = state.get("run_id")
