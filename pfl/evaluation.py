@@ -16,7 +16,6 @@ Evaluation runs on each client's side (:func:`evaluate_plan`, with the models it
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np

@@ -33,29 +33,33 @@ MODEL_INPUTS = {"cnn_fedavg": ((1, 28, 28), 10), "cnn_fpfc": ((1, 28, 28), 10),
 
 
 def simulate(cfg) -> list[dict]:
+    from pfl.federation.loop import Callback, RoundLoop
     from pfl.federation.simulator import Simulator
 
     sim = Simulator(cfg)
     method = sim.method
     client_times: list[float] = []
-    inner = method.local_update
+    client_step = sim.client_step
 
-    def timed_update(rnd, client, msg):
+    def timed_step(rnd, cid, msg):
         start = time.perf_counter()
-        out = inner(rnd, client, msg)
+        out = client_step(rnd, cid, msg)
         client_times.append(time.perf_counter() - start)
         return out
 
-    method.local_update = timed_update
+    sim.client_step = timed_step
     rows = []
-    for rnd in range(cfg.federation.rounds):
-        client_times.clear()
-        before = len(method.svd_seconds)
-        sim.run_round()
-        svd = sum(method.svd_seconds[before:])
-        rows.append({"round": rnd, "svd_s": svd, "clients_total_s": sum(client_times),
-                     "client_mean_s": statistics.mean(client_times) if client_times else float("nan"),
-                     "rank_mean": sum(l.rank for l in method.layers.values()) / max(1, len(method.layers))})
+
+    class RoundCosts(Callback):
+        def on_round(self, loop, metrics):
+            svd = sum(method.svd_seconds[self.before:]) if hasattr(self, "before") else sum(method.svd_seconds)
+            rows.append({"round": int(metrics["round"]), "svd_s": svd, "clients_total_s": sum(client_times),
+                         "client_mean_s": statistics.mean(client_times) if client_times else float("nan"),
+                         "rank_mean": sum(l.rank for l in method.layers.values()) / max(1, len(method.layers))})
+            client_times.clear()
+            self.before = len(method.svd_seconds)
+
+    RoundLoop(sim, [RoundCosts()]).run()
     return rows
 
 

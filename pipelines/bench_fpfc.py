@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import pfl.methods.base as base
     from pfl.config import load
+    from pfl.federation.loop import Callback, RoundLoop
     from pfl.federation.simulator import Simulator
     from pfl.methods.fpfc import pair_update, zeta
     from pfl.prox import scad_prox
@@ -78,18 +79,26 @@ def main(argv: list[str] | None = None) -> int:
     method.begin_round = timed(method.begin_round, "server")
     method.aggregate = timed(method.aggregate, "server")
     rows = []
-    try:
-        sim.run(until=2)  # warm-up
-        for _ in range(args.rounds):
+
+    class RoundTimer(Callback):
+        """Each timed round's wall time and its split (the loop's own rounds, synchronised)."""
+
+        def on_start(self, loop):
             timers.update(local_sgd=0.0, server=0.0)
             sync(device)
-            t0 = time.perf_counter()
-            sim.run_round()
+            self.t0 = time.perf_counter()
+
+        def on_round(self, loop, metrics):
             sync(device)
-            total = time.perf_counter() - t0
+            total = time.perf_counter() - self.t0
             samples = sum(sim.data.clients[c].n_train for c in sim.sample(sim.round - 1))
             rows.append({"round": total, "local_sgd": timers["local_sgd"], "server": timers["server"],
                          "other": total - timers["local_sgd"] - timers["server"], "samples": samples})
+            self.on_start(loop)
+
+    try:
+        sim.run(until=2)  # warm-up
+        RoundLoop(sim, [RoundTimer()]).run(until=sim.round + args.rounds)
     finally:
         base.local_sgd = original_sgd
 

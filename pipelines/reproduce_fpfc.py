@@ -149,10 +149,11 @@ def curve_points(history: list[dict], key: str = "test/acc_mean") -> list[tuple[
     return [(int(m["round"]) + 1, m[key]) for m in history if key in m]
 
 
-def l1_between(method) -> dict:
+def l1_between(sim) -> dict:
     """FPFC-L1: the read-out at a ν between the within- and between-cluster ‖θ‖ (spec §11)."""
     from pfl.evaluation import cluster_metrics
 
+    method = sim.method
     gap = method.theta_gap()
     if "fpfc/theta_max_within" not in gap or "fpfc/theta_min_between" not in gap:
         return {}
@@ -160,8 +161,8 @@ def l1_between(method) -> dict:
     nu = (lo + hi) / 2
     labels = method.clusters(nu)
     out = {"nu": nu, "separable": lo < hi, "max_within": lo, "min_between": hi}
-    out.update(cluster_metrics(labels, method.ctx.data.true_clusters))
-    out.update(method.readout_metrics(labels))
+    out.update(cluster_metrics(labels, method.ctx.meta.true_clusters))
+    out.update(sim.evaluate_models(method.readout_params(labels), "fpfc/readout"))
     return out
 
 
@@ -296,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
                 if cmp:
                     print("   λ=0.6 vs the official stored curve: " + "; ".join(cmp), flush=True)
         if entry == "fpfc_l1" and summary.status == "FINISHED":
-            extra = l1_between(sim.method)
+            extra = l1_between(sim)
             if extra:
                 tag = "" if extra["separable"] else " (no ν separates the true clusters)"
                 print(f"   FPFC-L1 ‖θ‖: max within {extra['max_within']:.3f}, min between "

@@ -54,7 +54,8 @@ class Callback:
         return None
 
     def on_round(self, loop: "RoundLoop", metrics: dict[str, float]) -> None:
-        """After every round; may add to ``metrics`` or raise :class:`StopTraining`."""
+        """After every round; may add to ``metrics`` or raise :class:`StopTraining` (the later
+        callbacks still see this round)."""
 
     def on_end(self, loop: "RoundLoop", result: LoopResult) -> None:
         """Always called once, with how the run ended."""
@@ -108,8 +109,14 @@ class RoundLoop:
                 cb.on_start(self)
             while sim.round < end:
                 metrics = sim.run_round(evaluate=self.eval_decision(sim.round))
-                for cb in self.callbacks:
-                    cb.on_round(self, metrics)
+                stop: StopTraining | None = None
+                for cb in self.callbacks:  # a stop request ends the run after every callback saw the round
+                    try:
+                        cb.on_round(self, metrics)
+                    except StopTraining as request:
+                        stop = stop or request
+                if stop is not None:
+                    raise stop
             result = LoopResult("FINISHED")
         except StopTraining as stop:
             result = LoopResult(stop.status, stop.reason)

@@ -26,7 +26,7 @@ import torch
 
 from ..config import ExperimentConfig
 from ..evaluation import evaluate_plan, summarize
-from ..methods import ClientHandle, Method, get_method
+from ..methods import ClientHandle, EvalPlan, Method, get_method
 from ..schema import ConfigError, flatten, from_dict, to_dict
 from .comm import CommLedger
 from .context import FederationMeta, RunContext
@@ -258,6 +258,19 @@ class Simulator:
         metrics = summarize(rows, task)
         metrics.update(self.method.extra_metrics(rnd, final=final))
         return metrics
+
+    def evaluate_models(self, model_of: Callable[[int], dict[str, torch.Tensor]], name: str) -> dict[str, float]:
+        """``<name>_acc`` (``<name>_rmse``): server-side models, one per client (``model_of(cid)``),
+        sent to the clients (counted as evaluation traffic) and tested on their test splits."""
+        rnd, task, rows = self.round - 1, self.data.task, []
+        for cid in range(self.num_clients):
+            msg = self.deliver(Message.of(model_of(cid)), "eval_down", rnd, cid)
+            with self._as_client(cid) as client:
+                rows.append(evaluate_plan(client, EvalPlan(msg.tensors()), task, False))
+        summary = summarize(rows, task)
+        if task == "classification":
+            return {f"{name}_acc": summary["test/acc_mean"]} if "test/acc_mean" in summary else {}
+        return {f"{name}_rmse": summary["test/rmse_mean"]} if "test/rmse_mean" in summary else {}
 
     def personal_models(self, cids: list[int] | None = None) -> dict[int, dict[str, torch.Tensor]]:
         """The models clients are evaluated with now (an evaluation exchange, counted as such)."""

@@ -360,6 +360,11 @@ class FPFC(Method):
         means = sums / (onehot.T @ n).unsqueeze(1)
         return means[lab]
 
+    def readout_params(self, labels: np.ndarray) -> Callable[[int], Params]:
+        """Device ``cid``'s read-out model (body included) for a given clustering."""
+        models = self.readout_models(labels)
+        return lambda cid: self._full(unflatten_params(models[cid], self.template, self.clustered), cid)
+
     def begin_eval(self, rnd: int, final: bool) -> None:
         self._readout = None
         if final or self.hp.readout_every_eval:
