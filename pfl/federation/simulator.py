@@ -106,7 +106,9 @@ class Simulator:
         self.method: Method
         self.client_role: Method
         self.method, self.client_role = method_cls.create(cfg.method.hparams, self.ctx)
-        self.transforms = list(transforms or [])
+        from .transforms import build_transforms
+
+        self.transforms = list(transforms or []) + build_transforms(cfg, self.ctx)
         self.ledger = CommLedger()
         self.round = 0       # the lineage's next round
         self.executed = 0    # rounds computed by this run
