@@ -13,8 +13,10 @@ from .schema import ConfigError, describe
 def _cmd_run(args: argparse.Namespace) -> int:
     from . import config as config_mod
     from .runner import format_bytes, run_experiment
-    from .tracking import tracking_uri
+    from .tracking import check_store, tracking_uri
 
+    if args.resume and not args.checkpoint:
+        raise ConfigError("--resume", "needs --checkpoint FILE (the checkpoint to continue from)")
     overrides = list(args.set or [])
     if args.no_track:
         overrides.append("tracking.enabled=false")
@@ -27,6 +29,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(cfg.to_yaml())
         return 0
+    for note in config_mod.config_notes(cfg):
+        print(f"note: {note}")
+    if cfg.tracking.enabled:
+        check_store()
     summary = run_experiment(cfg, checkpoint=args.checkpoint, resume=args.resume)
     final = summary.final
     print("\n== summary ==")

@@ -69,12 +69,12 @@ class ModelConfig:
 
 @dataclass
 class FederationConfig:
-    rounds: int = hp(50, "number of communication rounds", low=0)
+    rounds: int = hp(50, "number of communication rounds", low=1)
     clients_per_round: int = hp(10, "clients sampled per round (capped at data.num_clients; 0 = all)", low=0)
-    local_epochs: int = hp(1, "local epochs per round", low=0)
+    local_epochs: int = hp(5, "local epochs per round", low=0)
     local_steps: int | None = hp(None, "if set, local minibatch steps per round instead of epochs", low=1)
     batch_size: int = hp(32, "local minibatch size (0 = full batch)", low=0)
-    lr: float = hp(0.05, "client learning rate", low=0.0, low_open=True)
+    lr: float = hp(0.1, "client learning rate", low=0.0, low_open=True)
     lr_decay: float = hp(1.0, "learning rate multiplied by this every lr_decay_every rounds", low=0.0, high=1.0, low_open=True)
     lr_decay_every: int = hp(1, "rounds between learning-rate decays", low=1)
     momentum: float = hp(0.0, "client SGD momentum (reset every round)", low=0.0, high=1.0, high_open=True)
@@ -87,7 +87,9 @@ class FederationConfig:
                                   "(the run's device), 'cpu' (host memory, moved in for each step), or "
                                   "'auto' (the device, unless every client's state would not fit in half "
                                   "of its free memory)", choices=("auto", "device", "cpu"))
-    threads: int = hp(0, "torch CPU threads (0 = leave torch's default)", low=0)
+    threads: int = hp(1, "torch CPU threads of the run (1: federated clients train small models on small "
+                         "batches, which gain little from more threads, and several threads slow to a crawl "
+                         "when other jobs share the cores; 0: torch's default, one per core)", low=0)
     driver: str = hp("sync", "round driver: 'sync' (sampled cohorts) or 'async' (event-driven: simulated "
                              "device delays, the server updates on every arrival; methods with an "
                              "asynchronous form only)", choices=("sync", "async"))
@@ -213,6 +215,8 @@ def resolve(raw: dict | None) -> ExperimentConfig:
     for key in raw:
         if key not in SECTIONS:
             raise unknown_key_error(key, SECTIONS, "")
+        if key != "seed" and raw[key] is not None and not isinstance(raw[key], dict):
+            raise ConfigError(key, f"expected a mapping of {key} settings, got {raw[key]!r}")
     seed = raw.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ConfigError("seed", f"expected a non-negative integer, got {seed!r}")
@@ -239,15 +243,36 @@ def resolve(raw: dict | None) -> ExperimentConfig:
     return cfg
 
 
-def read_yaml(path: str | Path) -> dict:
-    """A config file's mapping (unvalidated)."""
+def parse_yaml_file(path: str | Path, what: str = "config") -> Any:
+    """A YAML file's content; a syntax error names the file and the line (ConfigError on ``what``)."""
     p = Path(path)
     if not p.is_file():
-        raise ConfigError("config", f"no such file: {p}")
-    loaded = yaml.safe_load(p.read_text())
+        raise ConfigError(what, f"no such file: {p}")
+    try:
+        return yaml.safe_load(p.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{p}:{mark.line + 1}" if mark is not None else str(p)
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(what, f"{where}: YAML syntax error: {problem}") from None
+
+
+def read_yaml(path: str | Path) -> dict:
+    """A config file's mapping (unvalidated)."""
+    loaded = parse_yaml_file(path)
     if loaded is not None and not isinstance(loaded, dict):
-        raise ConfigError("config", f"{p} must hold a mapping at the top level")
+        raise ConfigError("config", f"{path} must hold a mapping at the top level")
     return loaded or {}
+
+
+def config_notes(cfg: ExperimentConfig) -> list[str]:
+    """Things about a valid config that a person should hear before a run starts."""
+    notes = []
+    fed, m = cfg.federation, cfg.data.num_clients
+    if fed.clients_per_round > m:
+        notes.append(f"federation.clients_per_round={fed.clients_per_round} is more than data.num_clients="
+                     f"{m}: every round samples all {m} clients")
+    return notes
 
 
 def load(path: str | Path | None = None, overrides: list[str] | dict | None = None,

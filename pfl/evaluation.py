@@ -103,6 +103,37 @@ def summarize(rows: Sequence[dict], task: str) -> dict[str, float]:
     return metrics
 
 
+RUN_METRICS = ("train/loss", "lr", "time/round_s", "time/elapsed_s")
+EVAL_METRICS = {
+    "classification": ("val/loss_mean", "test/loss_mean", "val/acc_mean", "test/acc_mean", "test/acc_std",
+                       "test/acc_p10", "test/acc_worst", "test/acc_weighted", "global/test_acc",
+                       "global/val_acc", "global/test_loss"),
+    "regression": ("val/loss_mean", "test/loss_mean", "val/rmse_mean", "test/rmse_mean", "test/rmse_std",
+                   "test/rmse_p10", "test/rmse_worst", "global/test_rmse", "global/test_loss"),
+}
+ASYNC_METRICS = ("time/sim_clock", "async/arrivals")
+
+
+def reported_metrics(cfg) -> tuple[str, ...]:
+    """Every metric name a run of ``cfg`` can report (``*`` matches any tail): the loop's own, the
+    ledger's, the evaluation's for the task, and the method's :attr:`metric_names`."""
+    from .data import source_spec
+    from .federation.comm import CommLedger
+    from .methods import get_method
+
+    task = source_spec(cfg.data.source).task
+    names = [*RUN_METRICS, *CommLedger().metrics(), *EVAL_METRICS[task], *get_method(cfg.method.name).metric_names]
+    if cfg.federation.driver == "async":
+        names += ASYNC_METRICS
+    return tuple(dict.fromkeys(names))
+
+
+def metric_known(name: str, catalog: Sequence[str]) -> bool:
+    import fnmatch
+
+    return any(name == pattern or ("*" in pattern and fnmatch.fnmatchcase(name, pattern)) for pattern in catalog)
+
+
 # ---- clustering ------------------------------------------------------------------------------
 
 def connected_components(adjacency: np.ndarray | torch.Tensor) -> np.ndarray:

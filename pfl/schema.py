@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from typing import Any, Union
@@ -108,14 +109,19 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     if tp is float:
         if isinstance(value, bool):
             raise ConfigError(path, f"expected a number, got {value!r}")
+        number = None
         if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str):
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise ConfigError(path, f"expected a number, got {value!r}")
+        if number is None:
+            raise ConfigError(path, f"expected a number, got {value!r}")
+        if not math.isfinite(number):  # nan and ±inf are never a meaningful setting here
+            raise ConfigError(path, f"expected a finite number, got {value!r}")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value
@@ -166,6 +172,9 @@ def unknown_key_error(key: str, allowed: typing.Iterable[str], path: str) -> Con
 
 def from_dict(cls: type, data: typing.Mapping[str, Any] | None, path: str = ""):
     """Build dataclass ``cls`` from ``data``, validating names, types and ranges."""
+    if data is not None and not isinstance(data, typing.Mapping):
+        raise ConfigError(path or cls.__name__, f"expected a mapping of {', '.join(field_names(cls))}, "
+                                                f"got {data!r}")
     data = dict(data or {})
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}

@@ -66,19 +66,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resources", help="per-trial resources, e.g. cpu=1,gpu=0.25")
     args = parser.parse_args(argv)
     try:
-        return run(args)
+        return run(args, argv)
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
 
 
-def run(args) -> int:
+def run(args, argv: list[str] | None = None) -> int:
     import pandas as pd
 
     from pfl.tracking import Tracker, tracking_uri
     from pfl.tune.fpfc_trainable import fpfc_path_trainable, plot_path, stage_metrics
     from pfl.config import resolve
-    from pfl.tune.lambda_path import PathSettings, require_validation
+    from pfl.tune.lambda_path import PATH_METRICS, PathSettings, require_validation
     from pfl.tune.space import base_config, check_space, load_space
     from pfl.tune.sweep import parse_resources, run_sweep
 
@@ -89,7 +89,7 @@ def run(args) -> int:
         pipeline["direction"] = args.direction
     settings = from_dict(PathSettings, pipeline, "pipeline")
     raw = base_config(space, args.set)
-    check_space(space, raw)  # everything validated before Ray starts
+    check_space(space, raw, PATH_METRICS)  # everything validated before Ray starts
     require_validation(resolve(raw))
     name = args.name or "tune_fpfc" + (f"-{preset}" if preset else "")
     resources = parse_resources(args.resources)
@@ -101,11 +101,14 @@ def run(args) -> int:
     rows = []
     warm = None
     common = dict(overrides=args.set, resume=args.resume, address=args.address, resources=resources,
-                  storage=args.storage, trainable=fpfc_path_trainable, pipeline_run_id=top.run_id)
+                  storage=args.storage, trainable=fpfc_path_trainable, pipeline_run_id=top.run_id,
+                  extra_metrics=PATH_METRICS)
     if args.strategy in ("warmup", "both"):
         print(f"\n== warmup strategy: λ path {settings.ordered()} ({settings.direction}) ==")
         warm = run_sweep(space, name=f"{name}-warmup", setup_extra={"path": to_dict(settings), "strategy": "warmup"},
-                         parent_tags={"pfl.strategy": "warmup"}, **common)
+                         parent_tags={"pfl.strategy": "warmup"}, label_prefix="warmup path", **common)
+        if warm.status != "FINISHED":
+            return stopped("warmup", warm, space, top, argv)
         # rounds one hyperparameter setting costs: one path (mean over the Optuna trials)
         rows.append(strategy_row("warmup", warm, total_of=lambda t: t["fpfc/total_rounds"].mean()))
     if args.strategy in ("separate", "both"):
@@ -120,7 +123,9 @@ def run(args) -> int:
         print(f"\n== separate strategy: every λ of {sorted(settings.lambdas)} from scratch ==")
         sep = run_sweep(separate_space, name=f"{name}-separate",
                         setup_extra={"path": to_dict(settings), "strategy": "separate"},
-                        parent_tags={"pfl.strategy": "separate"}, **common)
+                        parent_tags={"pfl.strategy": "separate"}, label_prefix="separate", **common)
+        if sep.status != "FINISHED":
+            return stopped("separate", sep, separate_space, top, argv)
         # rounds one hyperparameter setting costs: every λ of the grid from scratch
         rows.append(strategy_row("separate", sep, total_of=lambda t: t["fpfc/total_rounds"].sum()))
     table = pd.DataFrame(rows)
@@ -163,6 +168,17 @@ def run(args) -> int:
         print(f"\nbest λ = {rows[0]['selected_lambda']:g} ({rows[0]['strategy']} strategy)")
     print(f"MLflow pipeline run {top.run_id}; view: mlflow ui --backend-store-uri {tracking_uri()}")
     return 0
+
+
+def stopped(strategy: str, result, space, top, argv) -> int:
+    """An interrupted or wholly failed strategy ends the pipeline: its outcome, how to resume."""
+    from sweep import print_outcome  # the sweep pipeline's report (pipelines/sweep.py)
+
+    print(f"\n== {strategy} strategy did not finish ==")
+    code = print_outcome(result, space, argv)
+    top.set_tags({"pfl.status": result.status.lower()})
+    top.end("KILLED" if result.status == "INTERRUPTED" else "FAILED")
+    return code
 
 
 def best_row(table):

@@ -95,7 +95,9 @@ class MLflowLogger(Callback):
             return
         self.tracker.log_params(config_params(sim.cfg))
         self.tracker.set_tags({"pfl.method": sim.cfg.method.name, "pfl.source": sim.cfg.data.source})
-        self.logged_until = self.tracker.last_step("time/elapsed_s") if sim.executed else 0
+        # a reopened run holds the rounds logged before the interruption; a restart recomputes them
+        # identically (from its checkpoint, or from scratch when it had none), so they are skipped
+        self.logged_until = self.tracker.last_step("time/elapsed_s") if self.tracker.resumed else 0
         if self.announce:
             self.announce(f"MLflow run {self.run_id} ({sim.cfg.method.name} on {sim.cfg.data.source}, "
                           f"{sim.num_clients} clients, {sim.cfg.federation.rounds} rounds)")

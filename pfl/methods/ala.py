@@ -405,6 +405,7 @@ def compose(base: type[Method]) -> type[Method]:
         "Hparams": _merged_hparams(base.Hparams),
         "description": f"{base.description or base.name} + adaptive local aggregation (FedALA)",
         "_ala_base_personal": base.personal_params,
+        "metric_names": tuple(base.metric_names) + ("ala/*",),
     }
     return type(f"{base.__name__}ALA", (mixin, base), attrs)
 

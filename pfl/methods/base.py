@@ -101,6 +101,8 @@ class Method:
     description: ClassVar[str] = ""
     # the server step is correct for one reply at a time (federation.driver=async)
     supports_async: ClassVar[bool] = False
+    #: metrics ``extra_metrics`` may report (``*`` matches any tail), checked by sweeps before Ray starts
+    metric_names: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, hparams: Any, ctx: "RunContext"):
         self.hp = hparams

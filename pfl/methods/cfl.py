@@ -110,6 +110,7 @@ class CFL(Method):
     name = "cfl"
     Hparams = CFLHparams
     description = "Clustered FL by recursive bipartitioning on update similarity (Sattler et al. 2020)"
+    metric_names = ("cluster/num", "cluster/ari", "cfl/mean_norm", "cfl/max_norm")
 
     def setup(self) -> None:
         self.clusters: list[list[int]] = [list(range(self.ctx.num_clients))]

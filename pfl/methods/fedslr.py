@@ -101,6 +101,8 @@ class FedSLR(Method):
     name = "fedslr"
     Hparams = FedSLRHparams
     description = "Low-rank global model (server SVT) + sparse personal part (Huang et al. 2023)"
+    metric_names = ("model/rank_mean", "model/rank_kept_ratio", "model/rank/*", "model/params",
+                    "model/mixed_params", "model/sparsity")
 
     # ---- lifecycle -------------------------------------------------------------------------
     def configure(self) -> None:

@@ -191,6 +191,8 @@ class FPFC(Method):
     name = "fpfc"
     Hparams = FPFCHparams
     description = "Fusion-penalised federated clustering, SCAD or L1 pairwise fusion (Yu et al. 2024)"
+    metric_names = ("cluster/num", "cluster/ari", "fpfc/nu", "fpfc/lambda", "fpfc/theta_max_within",
+                    "fpfc/theta_min_between", "time/sim_clock", "fpfc/readout_acc", "fpfc/readout_rmse")
     supports_async = True
 
     # ---- setup -------------------------------------------------------------------------------

@@ -76,6 +76,7 @@ class IFCA(Method):
     name = "ifca"
     Hparams = IFCAHparams
     description = "Iterative federated clustering: K models, clients pick by lowest loss (Ghosh et al. 2020)"
+    metric_names = ("cluster/num", "cluster/ari")
 
     def setup(self) -> None:
         k = self.hp.k

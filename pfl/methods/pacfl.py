@@ -126,6 +126,7 @@ class PACFL(Method):
     name = "pacfl"
     Hparams = PACFLHparams
     description = "One-shot clustering by principal angles of data subspaces, then FedAvg per cluster"
+    metric_names = ("cluster/num", "cluster/ari", "pacfl/clients_with_basis")
 
     def configure(self) -> None:
         self.init: Params = self.ctx.init_params()  # regenerated from the run seed by every party

@@ -113,6 +113,10 @@ STAGE_METRICS = {"lambda": "lambda", "val/acc_mean": "val_acc", "test/acc_mean":
                  "cluster/num": "clusters", "cluster/ari": "ari", "rounds": "rounds"}
 
 
+#: what a λ-tuning trial reports besides the run's own metrics
+PATH_METRICS = ("fpfc/selected_lambda", "fpfc/total_rounds", "fpfc/path_stages", "stage/*", "playoff/*")
+
+
 def stage_metrics(stage: dict, prefix: str = "stage/") -> dict[str, float]:
     """A path stage (or playoff match) as metrics (``stage/*``, ``playoff/*``)."""
     return {prefix + name: float(stage[key]) for key, name in STAGE_METRICS.items() if key in stage}
