@@ -91,7 +91,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pfl", description="personalized federated learning experiments")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run one federated experiment")
+    run = sub.add_parser(
+        "run", help="run one federated experiment", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run one federated experiment: the built-in defaults, then --scenario, then CONFIG.yaml, "
+                    "then --set overrides; everything is validated before any data is loaded.",
+        epilog="""settings most runs touch (see `pfl methods`, `pfl datasets`, `pfl run --print-config`):
+  method.name=NAME            fedavg (default), fedprox, ditto, fpfc, ... and its method.* hyperparameters
+  data.source=NAME            digits (default, bundled), fmnist, fpfc_synthetic, ...
+  federation.rounds=N         communication rounds (default 50); federation.eval_every=N
+  federation.lr=X             client learning rate (default 0.1); federation.local_epochs=N (default 5)
+  federation.threads=N        torch CPU threads of the run (default 1). Federated clients train small
+                              models on small batches, which gain little from more threads, and a run
+                              with several threads slows down many-fold when other jobs share the
+                              cores (pipelines/bench_threads.py measures it). 0 = torch's default (one
+                              thread per core), worth trying for large models on an idle machine.
+  federation.device=cpu|cuda|auto
+  tracking.enabled=false      (or --no-track) no MLflow run""")
     run.add_argument("config", nargs="?", help="YAML config file (default: built-in defaults)")
     run.add_argument("--set", nargs="+", metavar="KEY=VALUE", action="extend",
                      help="dotted overrides, e.g. method.name=fedprox method.mu=0.1 federation.rounds=20")

@@ -275,3 +275,23 @@ def test_lambda_path_interrupted_mid_path_resumes_from_its_checkpoint(tmp_path):
     values = [m.value for m in history]
     assert all(b >= a for a, b in zip(values, values[1:])), "cumulative traffic fell"
     assert "lambda_path.csv" in {a.path for a in mc.list_artifacts(logger.run_id)}
+
+
+def test_every_param_of_a_lambda_path_trial_is_the_value_the_run_used(tmp_path):
+    from pfl.callbacks.tracking import config_params
+    from pfl.tracking import client
+    from pfl.tune.lambda_path import PathSettings
+
+    cfg = small_config(method__name="fpfc", data__val_fraction=0.2, federation__rounds=12,
+                       tracking__enabled=True, tracking__experiment="params")
+    settings = PathSettings(lambdas=[0.2, 0.4], eval_every=2, stage_cap=4, min_stage_rounds=2,
+                            tolerance=1.0, patience=5, budget=10)
+    loop, path, logger = _path_loop(cfg, settings, tmp_path)
+    assert loop.run(until=math.inf).status == "FINISHED"
+    params = client().get_run(logger.run_id).data.params
+    used = {k: str(v) for k, v in config_params(loop.sim.cfg).items()}   # the config as the run ended
+    used["federation.rounds"] = str(loop.sim.executed)       # rounds the trial computed, path included
+    assert params["method.lam"] == str(loop.summary["fpfc/selected_lambda"]) == used["method.lam"]
+    assert params["federation.rounds"] == used["federation.rounds"] != str(cfg.federation.rounds)
+    assert params.pop("path.lambdas_run") == "0.2 0.4"
+    assert params == used

@@ -399,13 +399,19 @@ def test_tune_fpfc_smoke_logs_path_table_and_best_lambda(ray_cluster, tmp_path):
     code, out = ray_cluster.run([sys.executable, str(ROOT / "pipelines" / "tune_fpfc.py"), "--smoke",
                                  "--storage", str(tmp_path / "ray_results")], env, timeout=900)
     assert code == 0, out[-4000:]
-    printed = float(re.search(r"best λ = ([0-9.]+)", out).group(1))
+    flat = " ".join(out.split())  # the explanation is wrapped to the terminal
+    printed = float(re.search(r"λ = ([0-9.]+) had the best validation accuracy and was continued", flat).group(1))
+    assert "columns:" in out and "Trial status" not in out
+    # progress: trials identified by what they try, stage ends announced
+    assert re.search(r"\] warmup path [^:]*: round \d+ .*stage λ=[0-9.]+ ended", out), out[-3000:]
     mc = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
     runs = [r for e in mc.search_experiments() for r in mc.search_runs([e.experiment_id])]
     top = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     assert len(top) == 1
     top = top[0]
-    assert float(top.data.params["best.lambda"]) == printed
+    assert float(top.data.tags["selected_lambda.warmup"]) == printed
+    separate = float(re.search(r"separate: every λ of the grid .*? λ = ([0-9.]+) had the best final", flat).group(1))
+    assert float(top.data.tags["selected_lambda.separate"]) == separate
     sweeps = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == top.info.run_id]
     assert {r.data.tags["pfl.strategy"] for r in sweeps} == {"warmup", "separate"}
     trials = [r for r in runs if r.data.tags.get("mlflow.parentRunId") in {s.info.run_id for s in sweeps}]
@@ -422,7 +428,8 @@ def test_tune_fpfc_smoke_logs_path_table_and_best_lambda(ray_cluster, tmp_path):
     assert len(playoff) == 2 and set(playoff.values()) <= set(lambdas)
     assert playoff[max(played, key=played.get)] == printed
     top_artifacts = {a.path for a in mc.list_artifacts(top.info.run_id)}
-    assert {"strategies.parquet", "lambda_path.png"} <= top_artifacts
+    assert {"strategies.parquet", "strategies.md"} <= top_artifacts
+    assert "plots/lambda_path.png" in {a.path for a in mc.list_artifacts(top.info.run_id, "plots")}
     for sweep in sweeps:
         assert "trials.parquet" in {a.path for a in mc.list_artifacts(sweep.info.run_id)}
     assert "plots" in {a.path for a in mc.list_artifacts(warm_trials[0].info.run_id)}

@@ -25,7 +25,7 @@ any base method with a start hook (``fedavg+ala``, ``fedprox+ala``, ``fedavg_ft+
 * ``personal_start(client, received)`` (Ditto): ALA(global = received, local = whatever the base
   hook returns, i.e. the personal model v_i); the global-copy training is untouched.
 
-Decisions where the spec is silent or leaves a choice (see specs/fedala.md):
+Decisions where the spec is silent or leaves a choice (see docs/methods/fedala.md):
 
 * p counts layer units of ``pfl.models.layer_groups`` (``p_unit=units``, default) or parameter tensors
   from the top (``p_unit=tensors``, the reference code's ``layer_idx``); p = 0 means all, as in the code.

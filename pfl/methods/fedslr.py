@@ -1,7 +1,7 @@
 """FedSLR: a low-rank global knowledge representation (GKR) plus a sparse personal component.
 
 Huang et al., "Fusion of Global and Local Knowledge for Personalized Federated Learning"
-(TMLR 2023, arXiv:2302.11051); spec /work/shared/specs/fedslr.md.
+(TMLR 2023, arXiv:2302.11051); notes: docs/methods/fedslr.md.
 
 Phase I (the GKR, problem  (1/n) Σ f_i(w) + λ Σ_l ‖R_l(w_l)‖_* ). A sampled client starts from
 the GKR w^t and minimises with the shared local-SGD loop

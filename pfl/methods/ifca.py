@@ -12,7 +12,7 @@ for clients that were not sampled: at an evaluation every client receives the K 
 ``comm/eval_down_bytes``) and returns its choice (``comm/eval_up_bytes``). ``cluster/num`` and
 ``cluster/ari`` are computed from those choices.
 
-Decisions where the spec is silent or we deviate from the FPFC repository (fpfc.md §9):
+Decisions where the spec is silent or we deviate from the FPFC repository (docs/methods/fpfc.md §9):
 
 * ``init: independent`` (default) draws the K models from K independently seeded initialisations;
   identical starts (``init: shared``) make every client pick the same model (mode collapse) and are
