@@ -71,7 +71,7 @@ def _cmd_methods(args: argparse.Namespace) -> int:
             _print_fields(spec.params)
         return 0
     for cls in list_methods():
-        print(f"{cls.name}: {cls.description}")
+        print(f"{cls.name}: {cls.description} [clients: {cls.cohort}]")
         _print_fields(cls.Hparams)
     return 0
 

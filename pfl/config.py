@@ -90,6 +90,13 @@ class FederationConfig:
     threads: int = hp(1, "torch CPU threads of the run (1: federated clients train small models on small "
                          "batches, which gain little from more threads, and several threads slow to a crawl "
                          "when other jobs share the cores; 0: torch's default, one per core)", low=0)
+    cohort: str = hp("auto", "how the sampled clients train: 'sequential' (one after another), 'vectorized' "
+                     "(as one batched computation, torch.func.vmap; same results up to float rounding), or "
+                     "'auto' (for the methods that support it, see `pfl methods`: evaluation batched always, training "
+                     "batched on a GPU; on CPU the batched training measured no faster than the loop)",
+                     choices=("auto", "sequential", "vectorized"))
+    cohort_chunk: int = hp(0, "at most this many clients in one batched computation (memory); 0 = all sampled",
+                           low=0)
     driver: str = hp("sync", "round driver: 'sync' (sampled cohorts) or 'async' (event-driven: simulated "
                              "device delays, the server updates on every arrival; methods with an "
                              "asynchronous form only)", choices=("sync", "async"))

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import torch
 
-from .training import evaluate
 
 if TYPE_CHECKING:
     from .methods.base import ClientHandle, EvalPlan
@@ -44,8 +43,8 @@ def evaluate_plan(client: "ClientHandle", plan: "EvalPlan", task: str, eval_glob
     its own validation and test splits. Runs client-side: only this client's data is read."""
     d = client.data
     params, fwd = plan.personal, plan.forward
-    val = evaluate(client.model, params, d.x_val, d.y_val, task, forward=fwd)
-    test = evaluate(client.model, params, d.x_test, d.y_test, task, forward=fwd)
+    val = client.evaluate(params, d.x_val, d.y_val, forward=fwd)
+    test = client.evaluate(params, d.x_test, d.y_test, forward=fwd)
     row = {"client": client.cid, "n_train": len(d.y_train), "n_test": test.n,
            "cluster": -1 if d.cluster is None else int(d.cluster),
            "val_loss": val.loss, "val_acc": val.acc, "test_loss": test.loss, "test_acc": test.acc}
@@ -54,12 +53,12 @@ def evaluate_plan(client: "ClientHandle", plan: "EvalPlan", task: str, eval_glob
         if glob is params and fwd is None:  # the same model: reuse instead of evaluating twice
             gval, gtest = val, test
         else:
-            gval = evaluate(client.model, glob, d.x_val, d.y_val, task)
-            gtest = evaluate(client.model, glob, d.x_test, d.y_test, task)
+            gval = client.evaluate(glob, d.x_val, d.y_val)
+            gtest = client.evaluate(glob, d.x_test, d.y_test)
         row.update(global_val_acc=gval.acc, global_test_acc=gtest.acc,
                    global_test_loss=gtest.loss, global_val_loss=gval.loss)
     for name, extra in plan.extra.items():
-        res = evaluate(client.model, extra, d.x_test, d.y_test, task)
+        res = client.evaluate(extra, d.x_test, d.y_test)
         row[f"{name}:test_loss"] = res.loss
         row[f"{name}:test_acc"] = res.acc
     return row

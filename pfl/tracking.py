@@ -104,13 +104,43 @@ def export_environment() -> dict[str, str]:
     return env
 
 
+_READY_STORES: set[str] = set()
+
+
 def client():
     from mlflow.tracking import MlflowClient
 
     # creating a new SQLite store logs schema migrations at INFO: nothing a person acts on
     for name in ("mlflow.store.db.utils", "alembic.runtime.migration"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    return MlflowClient(tracking_uri=tracking_uri())
+    uri = tracking_uri()
+    if uri.startswith("sqlite:///") and uri not in _READY_STORES:
+        _initialise_sqlite(uri)
+    return MlflowClient(tracking_uri=uri)
+
+
+def _initialise_sqlite(uri: str, attempts: int = 5) -> None:
+    """Create or migrate the SQLite store once, under a file lock: two processes creating the same
+    new database at once (a sweep's driver and its trials, or a UI opened at that moment) otherwise
+    race in MLflow's schema creation and one of them dies with "table already exists"."""
+    import fcntl
+
+    from mlflow.tracking import MlflowClient
+
+    import hashlib
+
+    key = hashlib.sha1(uri.encode()).hexdigest()[:16]
+    with open(Path(tempfile.gettempdir()) / f"pfl-mlflow-{key}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for attempt in range(attempts):
+            try:
+                MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+                break
+            except Exception:  # a process outside pfl held the schema half-made: let it finish
+                if attempt == attempts - 1:
+                    raise
+                time.sleep(1.0 + attempt)
+    _READY_STORES.add(uri)
 
 
 DESCRIPTIONS = {

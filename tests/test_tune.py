@@ -119,8 +119,12 @@ def ray_cluster():
 
 
 def _store(tmp_path):
+    """A fresh SQLite store, created here: the tests poll it while a sweep writes, and two processes
+    creating the same new database race in MLflow's schema set-up."""
     db = tmp_path / "mlflow.db"
-    return {"MLFLOW_TRACKING_URI": f"sqlite:///{db}", "PFL_CACHE_DIR": str(tmp_path / "cache")}, db
+    uri = f"sqlite:///{db}"
+    MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+    return {"MLFLOW_TRACKING_URI": uri, "PFL_CACHE_DIR": str(tmp_path / "cache")}, db
 
 
 def _sweep_args(space, tmp_path, *extra):
@@ -286,7 +290,8 @@ def test_bad_metric_name_exits_2_before_ray_starts(tmp_path):
                           env=dict(os.environ, **env), timeout=120)
     assert proc.returncode == 2 and "val/acc_meen" in proc.stderr and "did you mean 'val/acc_mean'" in proc.stderr
     assert "Traceback" not in proc.stderr and "Ray:" not in proc.stdout
-    assert not db.exists() and not (tmp_path / "ray_results").exists() and time.time() - started < 60
+    assert not _runs(env["MLFLOW_TRACKING_URI"])[0] and not (tmp_path / "ray_results").exists()
+    assert time.time() - started < 60
 
 
 @pytest.mark.parametrize("address, words", [("127.0.0.1:1", ["no Ray cluster answers", "127.0.0.1:1"]),
@@ -323,7 +328,11 @@ def _wait_for_children(proc, db, uri, finished_at_least=1, started_at_least=2, t
             finished = sum(c.info.status == "FINISHED" for c in children)
             if finished >= finished_at_least and len(children) >= started_at_least:
                 return
-    assert proc.poll() is None, "the sweep ended before it could be interrupted"
+    if proc.poll() is not None:
+        out = proc.stdout.read() if proc.stdout else ""
+        raise AssertionError(f"the sweep ended (exit {proc.returncode}) before it could be interrupted:\n"
+                             + out[-4000:])
+    raise AssertionError(f"no trial run appeared in MLflow within {timeout} s")
 
 
 def test_interrupted_sweep_resumes_without_losing_or_duplicating_runs(ray_cluster, tmp_path):

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar
 import torch
 
 from ..federation.messages import Message
-from ..training import Params, TrainResult, local_sgd
+from ..training import EvalResult, Params, TrainResult, evaluate, local_sgd
 
 if TYPE_CHECKING:
     from ..data import ClientData
@@ -56,6 +56,10 @@ class ClientHandle:
         self.state = state
         self.ctx = ctx
         self.model = model
+        # where training and evaluation requests go: computed here, or by a cohort that runs many
+        # clients' requests as one batched computation (pfl.federation.cohort)
+        self.run_training: Callable[..., TrainResult] = local_sgd
+        self.run_evaluation: Callable[..., EvalResult] = evaluate
 
     @property
     def n_train(self) -> int:
@@ -78,9 +82,13 @@ class ClientHandle:
             task=self.ctx.meta.task, generator=self.generator(rnd, tag),
         )
         kwargs.update(overrides)
-        return local_sgd(self.model, params,
-                         self.data.x_train if x is None else x,
-                         self.data.y_train if y is None else y, **kwargs)
+        return self.run_training(self.model, params, self.data.x_train if x is None else x,
+                                 self.data.y_train if y is None else y, **kwargs)
+
+    def evaluate(self, params: Params, x: torch.Tensor, y: torch.Tensor,
+                 forward: Callable[[Params, torch.Tensor], torch.Tensor] | None = None) -> EvalResult:
+        """Mean loss and accuracy of ``params`` on (x, y) of this client (the one evaluation routine)."""
+        return self.run_evaluation(self.model, params, x, y, self.ctx.meta.task, forward=forward)
 
 
 @dataclass
@@ -101,6 +109,10 @@ class Method:
     description: ClassVar[str] = ""
     # the server step is correct for one reply at a time (federation.driver=async)
     supports_async: ClassVar[bool] = False
+    #: how ``federation.cohort: auto`` runs its clients: "vectorized" (their training and evaluation
+    #: requests batched, pfl.federation.cohort) or "sequential" (hooks with data-dependent control
+    #: flow, e.g. Per-FedAvg's extra minibatches, PerFed-CKT's public-set batches)
+    cohort: ClassVar[str] = "vectorized"
     #: metrics ``extra_metrics`` may report (``*`` matches any tail), checked by sweeps before Ray starts
     metric_names: ClassVar[tuple[str, ...]] = ()
 

@@ -63,15 +63,13 @@ import time
 from dataclasses import dataclass
 
 import torch
-from torch.func import functional_call
 
 from .. import lowrank
 from ..aggregation import weighted_average
 from ..federation.messages import Message
 from ..models import layer_groups
-from ..prox import soft_threshold
 from ..schema import ConfigError, hp
-from ..training import Params
+from ..training import AddToParams, Params, PullTo, Shift, SoftThreshold, Terms
 from . import register
 from .base import GLOBAL, ClientHandle, Method
 
@@ -150,10 +148,8 @@ class FedSLR(Method):
         if gamma is None:
             gamma = {k: torch.zeros_like(v) for k, v in received.items()}
         eta, omega = hp_.eta, hp_.weight_decay
-
-        def dual_prox_gradient(grads: Params, w: Params) -> Params:
-            return {k: g + gamma[k] + (w[k] - received[k]) / eta + omega * w[k] for k, g in grads.items()}
-
+        # ∇f_i(w) + γ_i + (w − w^t)/η + ω·w
+        dual_prox_gradient = Terms([Shift(gamma), PullTo(received, 1.0 / eta), PullTo(None, omega)])
         phase1 = client.train(received, rnd, weight_decay=0.0, grad_hook=dual_prox_gradient)
         w_i = phase1.params
         client.state["gamma"] = {k: gamma[k] + (w_i[k] - received[k]) / eta for k in gamma}
@@ -170,19 +166,10 @@ class FedSLR(Method):
 
     def _fuse(self, client: ClientHandle, rnd: int, gkr: Params, p: Params) -> Params:
         """Phase II: proximal SGD on P with the received GKR frozen inside the forward pass."""
-        model = client.model
         kappa = self.ctx.lr(rnd) * self.hp.mu
-
-        def mixed_forward(params: Params, xb: torch.Tensor) -> torch.Tensor:
-            return functional_call(model, {k: gkr[k] + params[k] for k in gkr}, (xb,))
-
-        def l1_prox(params: Params) -> None:
-            for v in params.values():
-                v.copy_(soft_threshold(v, kappa))
-
         return client.train(p, rnd, epochs=self.hp.phase2_epochs, steps=None,
-                            weight_decay=self.hp.phase2_weight_decay, forward=mixed_forward,
-                            post_step=l1_prox if kappa > 0 else None, tag="phase2").params
+                            weight_decay=self.hp.phase2_weight_decay, forward=AddToParams(client.model, gkr),
+                            post_step=SoftThreshold(kappa) if kappa > 0 else None, tag="phase2").params
 
     def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
         if not replies:

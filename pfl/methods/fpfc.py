@@ -78,7 +78,7 @@ from ..federation.messages import Message
 from ..models import flatten_params, layer_groups, unflatten_params
 from ..prox import group_soft_threshold, scad_prox
 from ..schema import ConfigError, hp
-from ..training import Params
+from ..training import Params, PullTo
 from . import register
 from .base import ClientHandle, EvalPlan, Method
 
@@ -272,12 +272,8 @@ class FPFC(Method):
         start.update({k: received[k] for k in self.shared})
         start = {k: start[k] for k in self.names}
 
-        def augmented_lagrangian_pull(grads: Params, params: Params) -> Params:
-            for k, z in target.items():
-                grads[k] = grads[k] + rho * (params[k] - z)
-            return grads
-
-        result = client.train(start, rnd, grad_hook=augmented_lagrangian_pull)
+        # the augmented-Lagrangian pull ρ(w − ζ_i), on the clustered parameters only
+        result = client.train(start, rnd, grad_hook=PullTo(target, rho))
         client.state["w"] = {k: result.params[k] for k in self.clustered}
         return Message.of(result.params, n=client.n_train, train_loss=result.mean_loss)
 

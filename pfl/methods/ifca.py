@@ -36,7 +36,7 @@ from ..aggregation import weighted_average
 from ..evaluation import assignment_metrics, write_assignment_table
 from ..federation.messages import Message
 from ..schema import hp
-from ..training import Params, evaluate
+from ..training import Params
 from . import register
 from .base import ClientHandle, EvalPlan, Method
 
@@ -92,7 +92,7 @@ class IFCA(Method):
 
     def _choose(self, client: ClientHandle, models: Sequence[Params]) -> int:
         d = client.data
-        losses = [evaluate(client.model, m, d.x_train, d.y_train, self.ctx.meta.task).loss for m in models]
+        losses = [client.evaluate(m, d.x_train, d.y_train).loss for m in models]
         return int(np.argmin(losses))
 
     def local_update(self, rnd: int, client: ClientHandle, msg: Message | None) -> Message:

@@ -189,6 +189,7 @@ class PerFedCKT(Method):
     name = "perfed_ckt"
     Hparams = PerFedCKTHparams
     description = "Clustered knowledge transfer on public-set logits, heterogeneous models (Cho et al. 2021)"
+    cohort = "sequential"
     metric_names = ("ckt/public_rows", "ckt/stored", "cluster/num", "cluster/ari", "cluster/ari_arch",
                     "cluster/size_max", "cluster/size_min", "cluster/singletons")
 

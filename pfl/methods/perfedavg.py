@@ -106,6 +106,7 @@ class PerFedAvg(FedAvg):
     name = "perfedavg"
     Hparams = PerFedAvgHparams
     description = "Per-FedAvg: MAML-style personalised FedAvg (Fallah et al. 2020)"
+    cohort = "sequential"
 
     def _batches_per_step(self) -> int:
         return 2 if self.hp.variant == "fo" else 3
