@@ -1,4 +1,4 @@
-"""Command line: ``pfl run``, ``pfl methods``, ``pfl datasets`` (also ``python -m pfl``)."""
+"""Command line: ``pfl run``, ``pfl methods``, ``pfl compressors``, ``pfl datasets`` (also ``python -m pfl``)."""
 
 from __future__ import annotations
 
@@ -87,6 +87,17 @@ def _cmd_datasets(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_compressors(args: argparse.Namespace) -> int:
+    from .compression.compressors import describe_compressors
+
+    print("compression.uplink / compression.downlink: {name: <one of these>, <its parameters>} (name: none = off)")
+    for name, description, params in describe_compressors():
+        print(f"{name}: {description}")
+        _print_fields(params)
+    print("also: compression.error_feedback (uplink memory per client), compression.min_numel (smaller tensors dense)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pfl", description="personalized federated learning experiments")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -120,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     methods = sub.add_parser("methods", help="list methods and their hyperparameters")
     methods.add_argument("--models", action="store_true", help="list models and their parameters instead")
     methods.set_defaults(func=_cmd_methods)
+    compressors = sub.add_parser("compressors", help="list message compressors and their parameters")
+    compressors.set_defaults(func=_cmd_compressors)
     datasets = sub.add_parser("datasets", help="list data sources and their parameters")
     datasets.set_defaults(func=_cmd_datasets)
     return parser

@@ -8,6 +8,7 @@ Layout (YAML)::
     method: {name: fedavg, <that method's hyperparameters>}
     federation: {rounds: 50, clients_per_round: 10, local_epochs: 1, batch_size: 32, lr: 0.05, ...}
     tracking: {enabled: true, experiment: pfl, run_name: null}
+    compression: {uplink: {name: qsgd, s: 7}, downlink: {name: none}, error_feedback: false, min_numel: 256}
 
 Everything is validated by :func:`resolve` before any data is loaded or any model is trained: an
 unknown section, field, method, data source or model, or an out-of-range value, raises
@@ -128,7 +129,29 @@ class MethodConfig:
         return out
 
 
-SECTIONS = ("seed", "data", "model", "method", "federation", "tracking")
+@dataclass
+class CompressionConfig:
+    """Message compression at the delivery boundary (``pfl compressors`` lists names and parameters;
+    :mod:`pfl.compression.codec` says what is encoded relative to what)."""
+    uplink: dict = hp(default_factory=lambda: {"name": "none"},
+                      doc="compressor of the client → server messages: {name, ...params}, e.g. "
+                          "{name: qsgd, s: 7}; the update (received → trained) is compressed per tensor")
+    downlink: dict = hp(default_factory=lambda: {"name": "none"},
+                        doc="compressor of the server → client messages (the change since the client's "
+                            "copy, per tensor)")
+    error_feedback: bool = hp(False, "uplink error feedback: each client keeps the compression error in its "
+                              "state and adds it to its next update (for the biased compressors: topk, "
+                              "sign, randk with scale=false, fp16/bf16)")
+    min_numel: int = hp(256, "tensors with fewer entries are sent dense (biases, norms)", low=0)
+
+    def validate(self, path: str) -> None:
+        from .compression import resolve_spec
+
+        self.uplink = resolve_spec(self.uplink, f"{path}.uplink")
+        self.downlink = resolve_spec(self.downlink, f"{path}.downlink")
+
+
+SECTIONS = ("seed", "data", "model", "method", "federation", "tracking", "compression")
 
 
 @dataclass
@@ -139,6 +162,7 @@ class ExperimentConfig:
     method: MethodConfig = dataclasses.field(default_factory=MethodConfig)
     federation: FederationConfig = dataclasses.field(default_factory=FederationConfig)
     tracking: TrackingConfig = dataclasses.field(default_factory=TrackingConfig)
+    compression: CompressionConfig = dataclasses.field(default_factory=CompressionConfig)
 
     def to_dict(self) -> dict:
         return {
@@ -148,6 +172,7 @@ class ExperimentConfig:
             "method": self.method.to_dict(),
             "federation": to_dict(self.federation),
             "tracking": to_dict(self.tracking),
+            "compression": to_dict(self.compression),
         }
 
     def to_yaml(self) -> str:
@@ -237,9 +262,13 @@ def resolve(raw: dict | None) -> ExperimentConfig:
     method = resolve_method_config(name, method_raw)
     federation = from_dict(FederationConfig, raw.get("federation"), "federation")
     tracking = from_dict(TrackingConfig, raw.get("tracking"), "tracking")
+    compression = from_dict(CompressionConfig, raw.get("compression"), "compression")
     cfg = ExperimentConfig(seed=seed, data=data, model=model, method=method,
-                           federation=federation, tracking=tracking)
+                           federation=federation, tracking=tracking, compression=compression)
     resolve_model_config(cfg)
+    from .compression.checks import check_method_compression
+
+    check_method_compression(cfg)
     if federation.driver == "async":
         from .methods import get_method, list_methods
 
@@ -294,7 +323,7 @@ def load(path: str | Path | None = None, overrides: list[str] | dict | None = No
 
 
 __all__ = [
-    "ConfigError", "DataConfig", "ExperimentConfig", "FederationConfig", "MethodConfig",
+    "CompressionConfig", "ConfigError", "DataConfig", "ExperimentConfig", "FederationConfig", "MethodConfig",
     "ModelConfig", "PartitionConfig", "TrackingConfig", "apply_overrides", "check", "load",
     "parse_value", "resolve",
 ]

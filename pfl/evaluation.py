@@ -124,6 +124,8 @@ def reported_metrics(cfg) -> tuple[str, ...]:
     names = [*RUN_METRICS, *CommLedger().metrics(), *EVAL_METRICS[task], *get_method(cfg.method.name).metric_names]
     if cfg.federation.driver == "async":
         names += ASYNC_METRICS
+    if any(spec.get("name") in ("fp16", "bf16") for spec in (cfg.compression.uplink, cfg.compression.downlink)):
+        names.append("comm/fp16_flushed")  # pfl.compression.codec: non-zeros a half-precision encoding lost
     return tuple(dict.fromkeys(names))
 
 

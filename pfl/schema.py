@@ -26,14 +26,16 @@ class ConfigError(ValueError):
 
 def hp(default: Any = dataclasses.MISSING, doc: str = "", *, low: float | None = None,
        high: float | None = None, low_open: bool = False, high_open: bool = False,
-       choices: typing.Sequence[Any] | None = None, default_factory: Any = dataclasses.MISSING):
+       choices: typing.Sequence[Any] | None = None, default_factory: Any = dataclasses.MISSING,
+       allow_inf: bool = False):
     """A dataclass field with documentation and range/choice constraints.
 
     ``low``/``high`` bound numbers (inclusive unless ``*_open``); ``choices`` enumerates the allowed
-    values of a string (or any) field.
+    values of a string (or any) field; ``allow_inf`` admits +inf where it is a meaningful setting
+    (the ∞-norm of a quantizer), never nan.
     """
     meta = {"doc": doc, "low": low, "high": high, "low_open": low_open, "high_open": high_open,
-            "choices": tuple(choices) if choices is not None else None}
+            "choices": tuple(choices) if choices is not None else None, "allow_inf": allow_inf}
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -119,8 +121,8 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
                 pass
         if number is None:
             raise ConfigError(path, f"expected a number, got {value!r}")
-        if not math.isfinite(number):  # nan and ±inf are never a meaningful setting here
-            raise ConfigError(path, f"expected a finite number, got {value!r}")
+        if math.isnan(number):
+            raise ConfigError(path, f"expected a number, got {value!r}")
         return number
     if tp is str:
         if isinstance(value, str):
@@ -185,6 +187,8 @@ def from_dict(cls: type, data: typing.Mapping[str, Any] | None, path: str = ""):
     for name, f in fields.items():
         if name in data:
             value = _coerce(data[name], hints[name], _join(path, name))
+            if isinstance(value, float) and math.isinf(value) and not (value > 0 and f.metadata.get("allow_inf")):
+                raise ConfigError(_join(path, name), f"expected a finite number, got {data[name]!r}")
             _check_constraints(value, f.metadata, _join(path, name))
             kwargs[name] = value
     try:

@@ -276,3 +276,24 @@ def evaluate(model: torch.nn.Module, params: Mapping[str, torch.Tensor], x: torc
             loss_sum += float(F.mse_loss(out.reshape(yb.shape), yb, reduction="sum"))
     acc = correct / n if task == "classification" else float("nan")
     return EvalResult(loss_sum / n, acc, n)
+
+
+def batch_gradient(model: torch.nn.Module, params: Mapping[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor,
+                   *, task: str = "classification", batch_size: int = 0, generator: torch.Generator | None = None,
+                   weight_decay: float = 0.0) -> tuple[Params, float]:
+    """∇ of the mean loss (+ (weight_decay/2)‖w‖²) at ``params`` on one minibatch of ``batch_size``
+    samples drawn without replacement from ``generator`` (0 or ≥ n: the whole set), and the loss.
+
+    The gradient oracle of the methods that exchange gradients (ADIANA, MARINA): two calls with the
+    same generator seed use the same minibatch."""
+    n = len(y)
+    if 0 < batch_size < n:
+        idx = torch.randperm(n, generator=generator)[:batch_size].to(x.device)
+        x, y = x[idx], y[idx]
+    leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+    loss = loss_fn(task)(functional_call(model, leaves, (x,)), y)
+    grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+    out = {k: (g if g is not None else torch.zeros_like(leaves[k])).detach() for k, g in zip(leaves, grads)}
+    if weight_decay:
+        out = {k: g + weight_decay * params[k].detach() for k, g in out.items()}
+    return out, float(loss.detach())

@@ -18,8 +18,17 @@ SETTINGS = {
     "perfed_ckt": {"method__architectures": SMALL_ARCHS, "method__public_size": 40},
     "lgfedavg": {"method__warmup_rounds": 1},
     "feddyn": {"method__max_grad_norm": 5.0},
+    # every client in every round
+    "fedpd": {"federation__clients_per_round": 0},
+    "adiana": {"federation__clients_per_round": 0},
+    "marina": {"federation__clients_per_round": 0},
+    # compression at the delivery boundary around a batched cohort (client memories, replicas)
+    "fedavg~compressed": {"compression__uplink": {"name": "topk", "ratio": 0.1},
+                          "compression__error_feedback": True,
+                          "compression__downlink": {"name": "fp16"}},
 }
-VECTORIZED = sorted(m.name for m in list_methods() if m.cohort == "vectorized") + ["fedavg+ala", "ditto+ala"]
+VECTORIZED = sorted(m.name for m in list_methods() if m.cohort == "vectorized") + ["fedavg+ala", "ditto+ala",
+                                                                                          "fedavg~compressed"]
 
 
 def _close(a: float, b: float, tol: float = 1e-4) -> bool:
@@ -30,8 +39,8 @@ def _close(a: float, b: float, tol: float = 1e-4) -> bool:
 
 @pytest.mark.parametrize("name", VECTORIZED)
 def test_vectorized_cohort_matches_sequential_clients(name):
-    kw = dict(method__name=name, federation__rounds=3, federation__momentum=0.5,
-              **SETTINGS.get(name.split("+")[0], {}))
+    kw = dict(method__name=name.split("~")[0], federation__rounds=3, federation__momentum=0.5,
+              **SETTINGS.get(name, SETTINGS.get(name.split("+")[0], {})))
     seq = Simulator(small_config(federation__cohort="sequential", **kw))
     vec = Simulator(small_config(federation__cohort="vectorized", **kw))
     assert not seq.vectorized and vec.vectorized

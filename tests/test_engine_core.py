@@ -13,6 +13,7 @@ from helpers import small_config, straight_and_resumed
 from pfl.federation.loop import Callback, RoundLoop
 from pfl.federation.simulator import CheckpointError, Simulator, simulator_for
 from pfl.federation.state import encode
+from pfl.evaluation import metric_known, reported_metrics
 from pfl.methods import get_method, list_methods
 from pfl.schema import ConfigError
 
@@ -25,6 +26,10 @@ METHOD_SETTINGS = {
     "fedslr": {"method.lam": 1e-2},
     "perfed_ckt": {"method.architectures": SMALL_ARCHS, "method.public_size": 40},
     "ifca": {"method.k": 2},
+    # methods that need every client in every round
+    "fedpd": {"federation.clients_per_round": 0},
+    "adiana": {"federation.clients_per_round": 0},
+    "marina": {"federation.clients_per_round": 0},
 }
 
 
@@ -86,6 +91,11 @@ def test_resume_from_a_mid_run_checkpoint_equals_the_uninterrupted_run(tmp_path,
     assert _untimed(resumed.history) == _untimed(straight.history)
     _same(encode(resumed.model_state()), encode(straight.model_state()))
     assert resumed.ledger.state_dict() == straight.ledger.state_dict()
+    # every metric the run logged is one the sweeps' validation knows (pfl.evaluation.reported_metrics)
+    catalog = reported_metrics(cfg)
+    unknown = sorted({k for row in straight.history for k in row
+                      if k not in ("round", "step") and not metric_known(k, catalog)})
+    assert not unknown, unknown
 
 
 def test_asynchronous_driver_resumes_exactly(tmp_path):

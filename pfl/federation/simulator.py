@@ -28,6 +28,7 @@ from ..config import ExperimentConfig
 from ..evaluation import evaluate_plan, summarize
 from ..methods import ClientHandle, EvalPlan, Method, get_method
 from ..schema import ConfigError, flatten, from_dict, to_dict
+from ..training import Params
 from .comm import CommLedger
 from .context import FederationMeta, RunContext
 from .messages import Message
@@ -114,6 +115,9 @@ class Simulator:
         batchable = fed.cohort == "vectorized" or (fed.cohort == "auto" and method_cls.cohort == "vectorized")
         self.vectorized = batchable and (fed.cohort == "vectorized" or self.device.type == "cuda")
         self.batched_eval = batchable
+        from ..compression import Codec
+
+        self.codec = Codec(cfg.compression, self.ctx, self.method)  # compression.* (a no-op when none)
         self.ledger = CommLedger()
         self.round = 0       # the lineage's next round
         self.executed = 0    # rounds computed by this run
@@ -177,20 +181,43 @@ class Simulator:
         return sorted(int(i) for i in rng.choice(m, size=k, replace=False))
 
     def deliver(self, msg: Message | None, direction: str, rnd: int, cid: int) -> Message | None:
-        """The receiver's copy of ``msg`` after the transforms, counted by the ledger."""
+        """The receiver's copy of ``msg`` after the transforms, counted by the ledger (a training
+        downlink encoded by ``compression.downlink`` first, so its encoded size is what counts)."""
         if msg is None:
             return None
         msg = msg.copy()
         for transform in self.transforms:
             msg = transform(msg, direction, rnd, cid)
+        if direction == "down":
+            msg = self.codec.encode_down(msg, rnd, cid)
         self.ledger.record(msg, direction)
         return msg
 
     def client_step(self, rnd: int, cid: int, down: Message | None) -> Message | None:
-        """Client ``cid``'s side of round ``rnd``: its delivered reply (None: it sent nothing)."""
+        """Client ``cid``'s side of round ``rnd``: its delivered reply (None: it sent nothing).
+
+        Compression (:mod:`pfl.compression.codec`) acts here, on each side of the wire: the client
+        decodes a compressed downlink with its replicas and encodes its reply as the update of what
+        it received (with its error-feedback memory, both in its own state); the reply is delivered
+        and counted encoded, and the server reconstructs it from its own record of what it sent
+        before ``aggregate`` sees it.
+        """
+        sent = self.codec.server_view(down, cid) if self.codec.up is not None else None
         with self._as_client(cid) as client:
-            reply = self.client_role.local_update(rnd, client, down)
-        return self.deliver(reply, "up", rnd, cid)
+            reply = self._client_side(rnd, client, down)
+        return self._server_receives(rnd, cid, reply, sent)
+
+    def _client_side(self, rnd: int, client: ClientHandle, down: Message | None) -> Message | None:
+        codec = self.codec
+        down = codec.decode_down(down, client)
+        received = None
+        if codec.up is not None and down is not None:
+            received = {k: v.detach().clone() for k, v in down.tensors().items()}  # the client's own record
+        reply = self.client_role.local_update(rnd, client, down)
+        return codec.encode_up(reply, rnd, client, received, self.client_role)
+
+    def _server_receives(self, rnd: int, cid: int, reply: Message | None, sent: Params | None) -> Message | None:
+        return self.codec.decode_up(self.deliver(reply, "up", rnd, cid), rnd, sent, self.method)
 
     def as_cohort(self, cids: list[int], step: Callable[[ClientHandle], Any]) -> dict[int, Any]:
         """``step(client)`` for every client of ``cids``, their training and evaluation requests
@@ -219,8 +246,10 @@ class Simulator:
         losses = []
         if self.vectorized:
             downs = {cid: self.deliver(self.method.broadcast(rnd, cid), "down", rnd, cid) for cid in sampled}
-            raw = self.as_cohort(sampled, lambda c: self.client_role.local_update(rnd, c, downs[c.cid]))
-            sent = {cid: self.deliver(raw[cid], "up", rnd, cid) for cid in sampled}
+            views = {cid: self.codec.server_view(downs[cid], cid) if self.codec.up is not None else None
+                     for cid in sampled}
+            raw = self.as_cohort(sampled, lambda c: self._client_side(rnd, c, downs[c.cid]))
+            sent = {cid: self._server_receives(rnd, cid, raw[cid], views[cid]) for cid in sampled}
         else:
             sent = {}
             for cid in sampled:
@@ -251,6 +280,7 @@ class Simulator:
         if self.is_eval_round(rnd) if evaluate is None else evaluate:
             metrics.update(self.evaluate(final=self.round >= self.cfg.federation.rounds))
         metrics.update(self.ledger.metrics())
+        metrics.update(self.codec.metrics())
         metrics.update(extra or {})
         metrics["time/elapsed_s"] = self.elapsed
         self.history.append(metrics)
@@ -346,8 +376,12 @@ class Simulator:
     # ---- state ---------------------------------------------------------------------------------
     def model_state(self) -> dict:
         """What a model lineage is: its round, hyperparameters, server state and client states."""
-        return {"round": self.round, "hparams": to_dict(self.method.hp),
-                "server": self.method.server_state(), "clients": self.client_states}
+        state = {"round": self.round, "hparams": to_dict(self.method.hp),
+                 "server": self.method.server_state(), "clients": self.client_states}
+        codec = self.codec.state_dict()
+        if codec:  # the server's downlink mirrors (compression.downlink)
+            state["codec"] = codec
+        return state
 
     def load_model_state(self, state: dict) -> None:
         self.round = int(state["round"])
@@ -356,6 +390,7 @@ class Simulator:
         self.method.load_server_state(tree_map(lambda t: t if t.device.type == "cpu" else t.to(self.device),
                                                state["server"]))
         self.client_states = [to_device(s, self.state_device) for s in state["clients"]]
+        self.codec.load_state_dict(to_device(state.get("codec", {}), self.device))
 
     def snapshot(self) -> dict:
         """A copy of the model state that later rounds cannot change (restore with :meth:`restore`)."""

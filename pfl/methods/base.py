@@ -115,6 +115,10 @@ class Method:
     cohort: ClassVar[str] = "vectorized"
     #: metrics ``extra_metrics`` may report (``*`` matches any tail), checked by sweeps before Ray starts
     metric_names: ClassVar[tuple[str, ...]] = ()
+    #: "" — the simulator's codec compresses this method's uplink (``compression.uplink``);
+    #: "unbiased" / "any" — the method compresses inside its own protocol (DIANA, MARINA, LAG) with
+    #: the compressor ``compression.uplink`` names, which must be unbiased / may be any
+    compresses_uplink: ClassVar[str] = ""
 
     def __init__(self, hparams: Any, ctx: "RunContext"):
         self.hp = hparams
@@ -188,6 +192,17 @@ class Method:
     def artifacts(self, outdir: str) -> list[str]:
         """Write method-specific artifacts (tables, plots) at the end of a run; return paths."""
         return []
+
+    def update_reference(self, rnd: int, received: Params | None, reply: Message) -> Params:
+        """For uplink compression: the tensor each uplink entry is an update of (both sides call it,
+        the client with what it decoded from the downlink, the server with its record of that).
+
+        Default: the downlink tensor of the same name (FedAvg's trained model is compressed as
+        trained − received); entries without one are compressed as values (SCAFFOLD's Δy, Δc).
+        """
+        if not received:
+            return {}
+        return {k: received[k] for k in reply.entries if k in received}
 
     # ---- client side ---------------------------------------------------------------------------
     def init_client(self, client: ClientHandle) -> None:

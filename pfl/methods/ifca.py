@@ -103,6 +103,14 @@ class IFCA(Method):
         entries["cluster"] = index_tensor(j, self.hp.k)
         return Message.of(entries, train_loss=result.mean_loss, n=client.n_train)
 
+    def update_reference(self, rnd: int, received: Params | None, reply: Message) -> Params:
+        """Uplink compression: the trained model is an update of the cluster model it started from
+        (the index travels dense, so the server knows which)."""
+        if not received or "cluster" not in reply.entries:
+            return {}
+        j = int(reply["cluster"][0])
+        return {k: received[f"{j}/{k}"] for k in reply.entries if f"{j}/{k}" in received}
+
     def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
         groups: dict[int, list[Message]] = {}
         for reply in replies.values():
