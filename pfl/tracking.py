@@ -143,6 +143,11 @@ def _initialise_sqlite(uri: str, attempts: int = 5) -> None:
     _READY_STORES.add(uri)
 
 
+def run_hint(run_id: str) -> str:
+    """The line a pipeline prints at its end: where its MLflow parent run is and how to look."""
+    return f"MLflow parent run {run_id}; view: mlflow ui --backend-store-uri {tracking_uri()}"
+
+
 DESCRIPTIONS = {
     "experiment": "Single federated runs (`pfl run`, the comparison pipelines' rows): one run per experiment "
                   "with every resolved config value as a param, per-round metrics (step = round), plots, "

@@ -38,6 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pfl.schema import ConfigError  # noqa: E402
+from pfl.tracking import run_hint  # noqa: E402
 
 #: compression.* settings of the compressor columns (label → dotted overrides)
 COMPRESSORS: dict[str, dict] = {
@@ -277,12 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
-    print()
-    print(result["markdown"])
+    print("\n" + result["markdown"])
     if result["parent_run_id"]:
-        from pfl.tracking import tracking_uri
-
-        print(f"\nMLflow parent run {result['parent_run_id']}; view: mlflow ui --backend-store-uri {tracking_uri()}")
+        print("\n" + run_hint(result["parent_run_id"]))
     return 0
 
 

@@ -64,6 +64,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pfl.schema import ConfigError  # noqa: E402
+from pfl.tracking import run_hint  # noqa: E402
 
 S1 = {
     "data.source": "fpfc_synthetic", "data.num_clients": 100, "data.val_fraction": 0.0,
@@ -324,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
                                 f"{key}/comm_bytes": row["comm_bytes"]})
     parent.finish(rows, "table", text="\n".join([table, *notes]))
     if parent.run_id:
-        print(f"MLflow parent run {parent.run_id}")
+        print(run_hint(parent.run_id))
     return 0
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pfl.schema import ConfigError  # noqa: E402
-from pfl.tracking import tracking_uri  # noqa: E402
+from pfl.tracking import run_hint  # noqa: E402
 
 
 def resume_command(argv: list[str] | None) -> str:
@@ -65,7 +65,7 @@ def print_outcome(result, space, argv: list[str] | None) -> int:
                 print(f"  {key}: {result.best_metrics[key]:.4f}")
     print(f"\nwall time {result.wall_s:.0f} s; trials table: {result.experiment_path}/trials.csv")
     if result.parent_run_id:
-        print(f"MLflow parent run {result.parent_run_id}; view: mlflow ui --backend-store-uri {tracking_uri()}")
+        print(run_hint(result.parent_run_id))
     return result.exit_code
 
 

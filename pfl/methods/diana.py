@@ -35,7 +35,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 
 from ..aggregation import zeros_like
 from ..compression import decode_update, encode_update
