@@ -93,8 +93,8 @@ class FederationConfig:
                          "when other jobs share the cores; 0: torch's default, one per core)", low=0)
     cohort: str = hp("auto", "how the sampled clients train: 'sequential' (one after another), 'vectorized' "
                      "(as one batched computation, torch.func.vmap; same results up to float rounding), or "
-                     "'auto' (for the methods that support it, see `pfl methods`: evaluation batched always, training "
-                     "batched on a GPU; on CPU the batched training measured no faster than the loop)",
+                     "'auto' (vectorized on a GPU for the methods that support it, see `pfl methods`; sequential on CPU, "
+                     "where the batched cohort measured no faster than the loop)",
                      choices=("auto", "sequential", "vectorized"))
     cohort_chunk: int = hp(0, "at most this many clients in one batched computation (memory); 0 = all sampled",
                            low=0)

@@ -56,14 +56,14 @@ def test_vectorized_cohort_matches_sequential_clients(name):
 
 def test_auto_cohort_follows_the_method_and_the_device():
     auto = Simulator(small_config(method__name="fedavg"))
-    assert auto.batched_eval and auto.vectorized == (auto.device.type == "cuda")
+    assert auto.vectorized == (auto.device.type == "cuda")
     assert get_method("perfedavg").cohort == "sequential"
     fallback = Simulator(small_config(method__name="perfedavg"))
-    assert not fallback.vectorized and not fallback.batched_eval
+    assert not fallback.vectorized
     forced = Simulator(small_config(method__name="fedavg", federation__cohort="vectorized"))
-    assert forced.vectorized and forced.batched_eval
+    assert forced.vectorized
     plain = Simulator(small_config(method__name="fedavg", federation__cohort="sequential"))
-    assert not plain.vectorized and not plain.batched_eval
+    assert not plain.vectorized
 
 
 def test_batched_steps_equal_one_client_loops_with_hooks_masks_and_unequal_sizes():

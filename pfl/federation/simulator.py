@@ -110,11 +110,10 @@ class Simulator:
         from .transforms import build_transforms
 
         self.transforms = list(transforms or []) + build_transforms(cfg, self.ctx)
-        # auto: batched evaluation wherever the method allows it (measured faster on CPU and GPU);
-        # batched training only on a GPU, as on CPU it measured no faster than the loop (bench_cohort)
-        batchable = fed.cohort == "vectorized" or (fed.cohort == "auto" and method_cls.cohort == "vectorized")
-        self.vectorized = batchable and (fed.cohort == "vectorized" or self.device.type == "cuda")
-        self.batched_eval = batchable
+        # auto batches only on a GPU: on CPU the batched cohort measured no faster than the loop,
+        # for training and evaluation alike (pipelines/bench_cohort.py)
+        self.vectorized = fed.cohort == "vectorized" or (
+            fed.cohort == "auto" and method_cls.cohort == "vectorized" and self.device.type == "cuda")
         from ..compression import Codec
 
         self.codec = Codec(cfg.compression, self.ctx, self.method)  # compression.* (a no-op when none)
@@ -307,7 +306,7 @@ class Simulator:
         self.method.begin_eval(rnd, final)
         task, with_global = self.data.task, self.cfg.federation.eval_global
         rows, replies = [], {}
-        if self.batched_eval:
+        if self.vectorized:
             cids = list(range(self.num_clients))
             msgs = {cid: self.deliver(self.method.eval_message(rnd, cid), "eval_down", rnd, cid) for cid in cids}
 
