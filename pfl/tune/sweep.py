@@ -151,6 +151,11 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
             ray.init(address=address, **kwargs)
         return f"cluster at {address}"
     _stay_on_loopback()  # a single-machine instance listens on the loopback interface only
+    token_file = Path(os.environ.get("RAY_AUTH_TOKEN_PATH", Path.home() / ".ray" / "auth_token"))
+    if "RAY_AUTH_MODE" not in os.environ and (os.environ.get("RAY_AUTH_TOKEN") or token_file.is_file()):
+        # Ray would do the same with the token it finds, and print a notice saying so
+        os.environ["RAY_AUTH_MODE"] = "token"
+        _reload_auth_settings()
     ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, **kwargs)
     return f"local Ray instance on 127.0.0.1 ({ray.cluster_resources().get('CPU', 0):.0f} CPUs)"
 
