@@ -167,21 +167,29 @@ def cluster_metrics(labels: Sequence[int] | np.ndarray, true: Sequence[int] | np
     return out
 
 
-def assignment_metrics(labels: Sequence[int] | np.ndarray, meta) -> dict[str, float]:
-    """Cluster metrics of a per-client assignment against ``meta.true_clusters``."""
-    return cluster_metrics(np.asarray(labels, dtype=int), meta.true_clusters)
+def assignment_metrics(labels: Sequence[int] | np.ndarray, meta,
+                       clients: Sequence[int] | None = None) -> dict[str, float]:
+    """Cluster metrics of a per-client assignment against ``meta.true_clusters``; ``labels[k]`` belongs
+    to client ``clients[k]`` (default: client k, all clients)."""
+    true = meta.true_clusters
+    if true is not None and clients is not None:
+        true = np.asarray(true)[list(clients)]
+    return cluster_metrics(np.asarray(labels, dtype=int), true)
 
 
-def write_assignment_table(outdir: str, filename: str, labels: Sequence[int], meta) -> str:
-    """CSV of a final assignment: client, true cluster (-1 when unknown), found cluster, n_train."""
+def write_assignment_table(outdir: str, filename: str, labels: Sequence[int], meta,
+                           clients: Sequence[int] | None = None) -> str:
+    """CSV of a final assignment: client, true cluster (-1 when unknown), found cluster, n_train;
+    ``labels[k]`` belongs to client ``clients[k]`` (default: client k)."""
     import csv
     import os
 
     path = os.path.join(outdir, filename)
     true = meta.true_clusters
+    ids = range(len(labels)) if clients is None else clients
     with open(path, "w", newline="") as fh:
         writer = csv.writer(fh)
         writer.writerow(["client", "true_cluster", "found_cluster", "n_train"])
-        for cid, label in enumerate(labels):
+        for cid, label in zip(ids, labels):
             writer.writerow([cid, -1 if true is None else int(true[cid]), int(label), meta.client_sizes[cid]])
     return path

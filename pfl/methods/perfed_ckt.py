@@ -189,6 +189,9 @@ class PerFedCKT(Method):
     name = "perfed_ckt"
     Hparams = PerFedCKTHparams
     description = "Clustered knowledge transfer on public-set logits, heterogeneous models (Cho et al. 2021)"
+    # its uplink is public-set logits, not a model: the model-replacing attacks are not defined for it
+    attackable_uplink = False
+    uplink_note = "it uploads public-set logits"
 
     # ---- setup -------------------------------------------------------------------------------
     def configure(self) -> None:
