@@ -76,7 +76,7 @@ PRESETS = ("quick", "paper")
 ENTRIES: dict[str, tuple[str, dict]] = {
     "fpfc": ("fpfc", {}),
     "fpfc_l1": ("fpfc_l1", {}),
-    # FPFC with its shared body combined by the coordinate-wise median (= fpfc where nothing is shared)
+    # FPFC with its shared body combined by the coordinate-wise median (fmnist_labelswap only: S1 shares nothing)
     "fpfc_median": ("fpfc", {"aggregator": "median"}),
     "fedavg": ("fedavg", {}),
     "fedavg_median": ("fedavg", {"aggregator": "median"}),

@@ -399,3 +399,15 @@ def test_fpfc_combines_its_shared_body_by_the_robust_rule():
     sim.method.aggregate(0, replies)
     direct = coordinate_median([r.tensors() for r in replies.values()], sim.method.shared)
     assert sim.method.shared and all(torch.allclose(sim.method.body[k], direct[k]) for k in sim.method.shared)
+
+
+def test_fpfc_refuses_a_robust_rule_with_nothing_shared_and_checks_the_rule():
+    with pytest.raises(ConfigError, match="method.aggregator.*shared_layers"):
+        small_config(method__name="fpfc", method__aggregator="median")
+    with pytest.raises(ConfigError, match="method.byzantine_share"):
+        small_config(method__name="fpfc_l1", method__shared_layers="body", method__aggregator="krum",
+                     method__byzantine_share=-0.5)
+    with pytest.raises(ConfigError, match="method.byzantine_share"):
+        small_config(method__name="fedavg", method__aggregator="krum", method__byzantine_share=-0.5)
+    assert small_config(method__name="fpfc", method__shared_layers="body",
+                        method__aggregator="trimmed_mean").method.hparams.aggregator == "trimmed_mean"

@@ -141,6 +141,12 @@ class FPFCHparams(RobustAggregation):
     clock_latency: float = hp(0.1, "mean simulated network latency per update", low=0.0)
 
     def validate(self, path: str) -> None:
+        super().validate(path)
+        if self.aggregator != "mean" and self.shared_layers == "none":
+            # the rule combines only the averaged body; SCAD's pairwise fusion is FPFC's own defence
+            raise ConfigError(f"{path}.aggregator", f"{self.aggregator!r} combines FPFC's shared body, and with "
+                                                    "shared_layers=none nothing is averaged: use aggregator=mean, "
+                                                    "or shared_layers=body")
         if self.penalty != "scad":
             return
         if self.xi >= self.lam:
