@@ -136,7 +136,11 @@ def krum_scores(flat: torch.Tensor, f: int) -> torch.Tensor:
         return torch.zeros(1, dtype=torch.float64)
     x = flat.to(torch.float64)
     sq = (x * x).sum(1)
-    dist = (sq[:, None] + sq[None, :] - 2 * x @ x.T).clamp_min_(0.0)
+    dist = sq[:, None] + sq[None, :] - 2 * x @ x.T
+    # exactly symmetric (the matrix product need not be): with n − f − 2 = 1 two mutually nearest
+    # replies tie by definition, and the tie must be broken by position, not by rounding noise, so
+    # that any two computations of the same replies (sequential or batched clients) pick the same one
+    dist = ((dist + dist.T) / 2).clamp_min_(0.0)
     dist.fill_diagonal_(float("inf"))
     k = max(1, min(n - f - 2, n - 1))
     return dist.topk(k, dim=1, largest=False).values.sum(1)

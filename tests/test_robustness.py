@@ -411,3 +411,17 @@ def test_fpfc_refuses_a_robust_rule_with_nothing_shared_and_checks_the_rule():
         small_config(method__name="fedavg", method__aggregator="krum", method__byzantine_share=-0.5)
     assert small_config(method__name="fpfc", method__shared_layers="body",
                         method__aggregator="trimmed_mean").method.hparams.aggregator == "trimmed_mean"
+
+
+def test_krum_breaks_the_tie_of_mutually_nearest_replies_by_position():
+    # n − f − 2 = 1: a reply's score is the distance to its nearest neighbour, so the closest pair ties
+    g = torch.Generator().manual_seed(11)
+    base = torch.randn(6, 50, generator=g, dtype=torch.float64) * 3
+    base[4] = base[1] + 1e-3 * torch.randn(50, generator=g, dtype=torch.float64)   # 1 and 4: the closest pair
+    for perturb in (0.0, 1e-13):      # rounding-sized noise must not change the pick
+        x = base.clone()
+        x[4] += perturb
+        scores = krum_scores(x, 3)
+        assert scores[1] == scores[4] and int(torch.argmin(scores)) == 1
+        models = [{"w": r.float()} for r in x]
+        assert krum(models, 3)[1] == [1]
