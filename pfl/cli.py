@@ -1,4 +1,4 @@
-"""Command line: ``pfl run``, ``pfl methods``, ``pfl datasets`` (also ``python -m pfl``)."""
+"""Command line: ``pfl run``, ``pfl methods``, ``pfl compressors``, ``pfl datasets`` (also ``python -m pfl``)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,10 @@ from .schema import ConfigError, describe
 def _cmd_run(args: argparse.Namespace) -> int:
     from . import config as config_mod
     from .runner import format_bytes, run_experiment
-    from .tracking import tracking_uri
+    from .tracking import check_store, tracking_uri
 
+    if args.resume and not args.checkpoint:
+        raise ConfigError("--resume", "needs --checkpoint FILE (the checkpoint to continue from)")
     overrides = list(args.set or [])
     if args.no_track:
         overrides.append("tracking.enabled=false")
@@ -27,6 +29,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(cfg.to_yaml())
         return 0
+    for note in config_mod.config_notes(cfg):
+        print(f"note: {note}")
+    if cfg.tracking.enabled:
+        check_store()
     summary = run_experiment(cfg, checkpoint=args.checkpoint, resume=args.resume)
     final = summary.final
     print("\n== summary ==")
@@ -66,7 +72,7 @@ def _cmd_methods(args: argparse.Namespace) -> int:
             _print_fields(spec.params)
         return 0
     for cls in list_methods():
-        print(f"{cls.name}: {cls.description}")
+        print(f"{cls.name}: {cls.description} [clients: {cls.cohort}]")
         _print_fields(cls.Hparams)
     return 0
 
@@ -82,11 +88,37 @@ def _cmd_datasets(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_compressors(args: argparse.Namespace) -> int:
+    from .compression.compressors import describe_compressors
+
+    print("compression.uplink / compression.downlink: {name: <one of these>, <its parameters>} (name: none = off)")
+    for name, description, params in describe_compressors():
+        print(f"{name}: {description}")
+        _print_fields(params)
+    print("also: compression.error_feedback (uplink memory per client), compression.min_numel (smaller tensors dense)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pfl", description="personalized federated learning experiments")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run one federated experiment")
+    run = sub.add_parser(
+        "run", help="run one federated experiment", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run one federated experiment: the built-in defaults, then --scenario, then CONFIG.yaml, "
+                    "then --set overrides; everything is validated before any data is loaded.",
+        epilog="""settings most runs touch (see `pfl methods`, `pfl datasets`, `pfl run --print-config`):
+  method.name=NAME            fedavg (default), fedprox, ditto, fpfc, ... and its method.* hyperparameters
+  data.source=NAME            digits (default, bundled), fmnist, fpfc_synthetic, ...
+  federation.rounds=N         communication rounds (default 50); federation.eval_every=N
+  federation.lr=X             client learning rate (default 0.1); federation.local_epochs=N (default 5)
+  federation.threads=N        torch CPU threads of the run (default 1). Federated clients train small
+                              models on small batches, which gain little from more threads, and a run
+                              with several threads slows down many-fold when other jobs share the
+                              cores (pipelines/bench_threads.py measures it). 0 = torch's default (one
+                              thread per core), worth trying for large models on an idle machine.
+  federation.device=cpu|cuda|auto
+  tracking.enabled=false      (or --no-track) no MLflow run""")
     run.add_argument("config", nargs="?", help="YAML config file (default: built-in defaults)")
     run.add_argument("--set", nargs="+", metavar="KEY=VALUE", action="extend",
                      help="dotted overrides, e.g. method.name=fedprox method.mu=0.1 federation.rounds=20")
@@ -100,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     methods = sub.add_parser("methods", help="list methods and their hyperparameters")
     methods.add_argument("--models", action="store_true", help="list models and their parameters instead")
     methods.set_defaults(func=_cmd_methods)
+    compressors = sub.add_parser("compressors", help="list message compressors and their parameters")
+    compressors.set_defaults(func=_cmd_compressors)
     datasets = sub.add_parser("datasets", help="list data sources and their parameters")
     datasets.set_defaults(func=_cmd_datasets)
     return parser

@@ -8,6 +8,7 @@ Layout (YAML)::
     method: {name: fedavg, <that method's hyperparameters>}
     federation: {rounds: 50, clients_per_round: 10, local_epochs: 1, batch_size: 32, lr: 0.05, ...}
     tracking: {enabled: true, experiment: pfl, run_name: null}
+    compression: {uplink: {name: qsgd, s: 7}, downlink: {name: none}, error_feedback: false, min_numel: 256}
     attack: {kind: none, fraction: 0.0, ...}          # Byzantine clients (pfl/federation/attacks.py)
     newcomers: {fraction: 0.0, rounds: 50, ...}       # clients that join after training (pfl/federation/newcomers.py)
 
@@ -71,12 +72,12 @@ class ModelConfig:
 
 @dataclass
 class FederationConfig:
-    rounds: int = hp(50, "number of communication rounds", low=0)
+    rounds: int = hp(50, "number of communication rounds", low=1)
     clients_per_round: int = hp(10, "clients sampled per round (capped at data.num_clients; 0 = all)", low=0)
-    local_epochs: int = hp(1, "local epochs per round", low=0)
+    local_epochs: int = hp(5, "local epochs per round", low=0)
     local_steps: int | None = hp(None, "if set, local minibatch steps per round instead of epochs", low=1)
     batch_size: int = hp(32, "local minibatch size (0 = full batch)", low=0)
-    lr: float = hp(0.05, "client learning rate", low=0.0, low_open=True)
+    lr: float = hp(0.1, "client learning rate", low=0.0, low_open=True)
     lr_decay: float = hp(1.0, "learning rate multiplied by this every lr_decay_every rounds", low=0.0, high=1.0, low_open=True)
     lr_decay_every: int = hp(1, "rounds between learning-rate decays", low=1)
     momentum: float = hp(0.0, "client SGD momentum (reset every round)", low=0.0, high=1.0, high_open=True)
@@ -89,7 +90,16 @@ class FederationConfig:
                                   "(the run's device), 'cpu' (host memory, moved in for each step), or "
                                   "'auto' (the device, unless every client's state would not fit in half "
                                   "of its free memory)", choices=("auto", "device", "cpu"))
-    threads: int = hp(0, "torch CPU threads (0 = leave torch's default)", low=0)
+    threads: int = hp(1, "torch CPU threads of the run (1: federated clients train small models on small "
+                         "batches, which gain little from more threads, and several threads slow to a crawl "
+                         "when other jobs share the cores; 0: torch's default, one per core)", low=0)
+    cohort: str = hp("auto", "how the sampled clients train: 'sequential' (one after another), 'vectorized' "
+                     "(as one batched computation, torch.func.vmap; same results up to float rounding), or "
+                     "'auto' (vectorized on a GPU for the methods that support it, see `pfl methods`; sequential on CPU, "
+                     "where the batched cohort measured no faster than the loop)",
+                     choices=("auto", "sequential", "vectorized"))
+    cohort_chunk: int = hp(0, "at most this many clients in one batched computation (memory); 0 = all sampled",
+                           low=0)
     driver: str = hp("sync", "round driver: 'sync' (sampled cohorts) or 'async' (event-driven: simulated "
                              "device delays, the server updates on every arrival; methods with an "
                              "asynchronous form only)", choices=("sync", "async"))
@@ -113,7 +123,7 @@ ATTACK_KINDS = ("none", "same_value", "sign_flip", "gaussian")
 
 @dataclass
 class AttackConfig:
-    """Byzantine clients: a fixed subset rewrites every training upload (spec fpfc.md §8, after Lin et al.
+    """Byzantine clients: a fixed subset rewrites every training upload (docs/methods/fpfc.md §8, after Lin et al.
     2022's code). Metrics (``test/*``, ``global/*``) are then over the benign clients only."""
     kind: str = hp("none", "what a malicious client sends instead of its upload: same_value (c·1, one c ~ "
                    "N(0, σ²) per upload), sign_flip (−|s|·upload, s ~ N(0, σ²)), gaussian (i.i.d. N(0, σ²) "
@@ -130,7 +140,7 @@ class AttackConfig:
 
 @dataclass
 class NewcomersConfig:
-    """Clients held out of training that join afterwards, each by its method's rule (spec fpfc.md §8)."""
+    """Clients held out of training that join afterwards, each by its method's rule (docs/methods/fpfc.md §8)."""
     fraction: float = hp(0.0, "share of the clients held out of training: round(m·fraction) clients drawn "
                          "once from the run's seed; 0 = none", low=0.0, high=1.0, high_open=True)
     rounds: int = hp(50, "join steps after training (at most): FPFC's newcomer-only ADMM rounds, Local's "
@@ -155,7 +165,30 @@ class MethodConfig:
         return out
 
 
-SECTIONS = ("seed", "data", "model", "method", "federation", "tracking", "attack", "newcomers")
+@dataclass
+class CompressionConfig:
+    """Message compression at the delivery boundary (``pfl compressors`` lists names and parameters;
+    :mod:`pfl.compression.codec` says what is encoded relative to what)."""
+    uplink: dict = hp(default_factory=lambda: {"name": "none"},
+                      doc="compressor of the client → server messages: {name, ...params}, e.g. "
+                          "{name: qsgd, s: 7}; the update (received → trained) is compressed per tensor")
+    downlink: dict = hp(default_factory=lambda: {"name": "none"},
+                        doc="compressor of the server → client messages (the change since the client's "
+                            "copy, per tensor)")
+    error_feedback: bool = hp(False, "uplink error feedback: each client keeps the compression error in its "
+                              "state and adds it to its next update (for the biased compressors: topk, "
+                              "sign, randk with scale=false, fp16/bf16)")
+    min_numel: int = hp(256, "tensors with fewer entries are sent dense (biases, norms)", low=0)
+
+    def validate(self, path: str) -> None:
+        from .compression import resolve_spec
+
+        self.uplink = resolve_spec(self.uplink, f"{path}.uplink")
+        self.downlink = resolve_spec(self.downlink, f"{path}.downlink")
+
+
+SECTIONS = ("seed", "data", "model", "method", "federation", "tracking", "compression", "attack",
+            "newcomers")
 
 
 @dataclass
@@ -166,6 +199,7 @@ class ExperimentConfig:
     method: MethodConfig = dataclasses.field(default_factory=MethodConfig)
     federation: FederationConfig = dataclasses.field(default_factory=FederationConfig)
     tracking: TrackingConfig = dataclasses.field(default_factory=TrackingConfig)
+    compression: CompressionConfig = dataclasses.field(default_factory=CompressionConfig)
     attack: AttackConfig = dataclasses.field(default_factory=AttackConfig)
     newcomers: NewcomersConfig = dataclasses.field(default_factory=NewcomersConfig)
 
@@ -177,6 +211,7 @@ class ExperimentConfig:
             "method": self.method.to_dict(),
             "federation": to_dict(self.federation),
             "tracking": to_dict(self.tracking),
+            "compression": to_dict(self.compression),
             "attack": to_dict(self.attack),
             "newcomers": to_dict(self.newcomers),
         }
@@ -253,6 +288,8 @@ def resolve(raw: dict | None) -> ExperimentConfig:
     for key in raw:
         if key not in SECTIONS:
             raise unknown_key_error(key, SECTIONS, "")
+        if key != "seed" and raw[key] is not None and not isinstance(raw[key], dict):
+            raise ConfigError(key, f"expected a mapping of {key} settings, got {raw[key]!r}")
     seed = raw.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ConfigError("seed", f"expected a non-negative integer, got {seed!r}")
@@ -266,11 +303,15 @@ def resolve(raw: dict | None) -> ExperimentConfig:
     method = resolve_method_config(name, method_raw)
     federation = from_dict(FederationConfig, raw.get("federation"), "federation")
     tracking = from_dict(TrackingConfig, raw.get("tracking"), "tracking")
+    compression = from_dict(CompressionConfig, raw.get("compression"), "compression")
     attack = from_dict(AttackConfig, raw.get("attack"), "attack")
     newcomers = from_dict(NewcomersConfig, raw.get("newcomers"), "newcomers")
-    cfg = ExperimentConfig(seed=seed, data=data, model=model, method=method,
-                           federation=federation, tracking=tracking, attack=attack, newcomers=newcomers)
+    cfg = ExperimentConfig(seed=seed, data=data, model=model, method=method, federation=federation,
+                           tracking=tracking, compression=compression, attack=attack, newcomers=newcomers)
     resolve_model_config(cfg)
+    from .compression.checks import check_method_compression
+
+    check_method_compression(cfg)
     _check_attack_and_newcomers(cfg)
     if federation.driver == "async":
         from .methods import get_method, list_methods
@@ -292,6 +333,16 @@ def _check_attack_and_newcomers(cfg: ExperimentConfig) -> None:
         if not cls.attackable_uplink:
             raise ConfigError("attack.kind", f"method {cfg.method.name!r} uploads no model ({cls.uplink_note}); "
                                              "the attacks rewrite model uploads, so use attack.kind=none")
+        # an attacker replaces plain uplink tensors; an encoded uplink (the codec's, or one a method
+        # builds inside its protocol) would need the attack before the encoding: not supported
+        if cls.compresses_uplink:
+            raise ConfigError("attack.kind", f"method {cfg.method.name!r} encodes its own uplink (compresses inside "
+                                             "its protocol); the attacks rewrite plain model uploads, so use "
+                                             "attack.kind=none")
+        if cfg.compression.uplink.get("name", "none") != "none":
+            raise ConfigError("attack.kind", "the attacks rewrite plain model uploads and do not combine with "
+                                             f"compression.uplink ({cfg.compression.uplink['name']!r}); use "
+                                             "attack.kind=none or compression.uplink={name: none}")
     newcomers = round_share(m, cfg.newcomers.fraction)
     if newcomers and newcomers >= m:
         raise ConfigError("newcomers.fraction", f"{cfg.newcomers.fraction} of {m} clients leaves none to train")
@@ -302,15 +353,36 @@ def round_share(m: int, fraction: float) -> int:
     return int(m * fraction + 0.5)
 
 
-def read_yaml(path: str | Path) -> dict:
-    """A config file's mapping (unvalidated)."""
+def parse_yaml_file(path: str | Path, what: str = "config") -> Any:
+    """A YAML file's content; a syntax error names the file and the line (ConfigError on ``what``)."""
     p = Path(path)
     if not p.is_file():
-        raise ConfigError("config", f"no such file: {p}")
-    loaded = yaml.safe_load(p.read_text())
+        raise ConfigError(what, f"no such file: {p}")
+    try:
+        return yaml.safe_load(p.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{p}:{mark.line + 1}" if mark is not None else str(p)
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(what, f"{where}: YAML syntax error: {problem}") from None
+
+
+def read_yaml(path: str | Path) -> dict:
+    """A config file's mapping (unvalidated)."""
+    loaded = parse_yaml_file(path)
     if loaded is not None and not isinstance(loaded, dict):
-        raise ConfigError("config", f"{p} must hold a mapping at the top level")
+        raise ConfigError("config", f"{path} must hold a mapping at the top level")
     return loaded or {}
+
+
+def config_notes(cfg: ExperimentConfig) -> list[str]:
+    """Things about a valid config that a person should hear before a run starts."""
+    notes = []
+    fed, m = cfg.federation, cfg.data.num_clients
+    if fed.clients_per_round > m:
+        notes.append(f"federation.clients_per_round={fed.clients_per_round} is more than data.num_clients="
+                     f"{m}: every round samples all {m} clients")
+    return notes
 
 
 def load(path: str | Path | None = None, overrides: list[str] | dict | None = None,
@@ -325,7 +397,7 @@ def load(path: str | Path | None = None, overrides: list[str] | dict | None = No
 
 
 __all__ = [
-    "ATTACK_KINDS", "AttackConfig", "ConfigError", "DataConfig", "ExperimentConfig", "FederationConfig",
-    "MethodConfig", "ModelConfig", "NewcomersConfig", "PartitionConfig", "TrackingConfig", "apply_overrides",
-    "check", "load", "parse_value", "resolve", "round_share",
+    "ATTACK_KINDS", "AttackConfig", "CompressionConfig", "ConfigError", "DataConfig", "ExperimentConfig",
+    "FederationConfig", "MethodConfig", "ModelConfig", "NewcomersConfig", "PartitionConfig", "TrackingConfig",
+    "apply_overrides", "check", "load", "parse_value", "resolve", "round_share",
 ]

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import torch
 
-from .training import evaluate
 
 if TYPE_CHECKING:
     from .methods.base import ClientHandle, EvalPlan
@@ -44,8 +43,8 @@ def evaluate_plan(client: "ClientHandle", plan: "EvalPlan", task: str, eval_glob
     its own validation and test splits. Runs client-side: only this client's data is read."""
     d = client.data
     params, fwd = plan.personal, plan.forward
-    val = evaluate(client.model, params, d.x_val, d.y_val, task, forward=fwd)
-    test = evaluate(client.model, params, d.x_test, d.y_test, task, forward=fwd)
+    val = client.evaluate(params, d.x_val, d.y_val, forward=fwd)
+    test = client.evaluate(params, d.x_test, d.y_test, forward=fwd)
     row = {"client": client.cid, "n_train": len(d.y_train), "n_test": test.n,
            "cluster": -1 if d.cluster is None else int(d.cluster),
            "val_loss": val.loss, "val_acc": val.acc, "test_loss": test.loss, "test_acc": test.acc}
@@ -54,12 +53,12 @@ def evaluate_plan(client: "ClientHandle", plan: "EvalPlan", task: str, eval_glob
         if glob is params and fwd is None:  # the same model: reuse instead of evaluating twice
             gval, gtest = val, test
         else:
-            gval = evaluate(client.model, glob, d.x_val, d.y_val, task)
-            gtest = evaluate(client.model, glob, d.x_test, d.y_test, task)
+            gval = client.evaluate(glob, d.x_val, d.y_val)
+            gtest = client.evaluate(glob, d.x_test, d.y_test)
         row.update(global_val_acc=gval.acc, global_test_acc=gtest.acc,
                    global_test_loss=gtest.loss, global_val_loss=gval.loss)
     for name, extra in plan.extra.items():
-        res = evaluate(client.model, extra, d.x_test, d.y_test, task)
+        res = client.evaluate(extra, d.x_test, d.y_test)
         row[f"{name}:test_loss"] = res.loss
         row[f"{name}:test_acc"] = res.acc
     return row
@@ -101,6 +100,46 @@ def summarize(rows: Sequence[dict], task: str) -> dict[str, float]:
         else:
             metrics[f"{name}_rmse"] = mean(np.sqrt(col(f"{name}:test_loss")))
     return metrics
+
+
+RUN_METRICS = ("train/loss", "lr", "time/round_s", "time/elapsed_s")
+EVAL_METRICS = {
+    "classification": ("val/loss_mean", "test/loss_mean", "val/acc_mean", "test/acc_mean", "test/acc_std",
+                       "test/acc_p10", "test/acc_worst", "test/acc_weighted", "global/test_acc",
+                       "global/val_acc", "global/test_loss"),
+    "regression": ("val/loss_mean", "test/loss_mean", "val/rmse_mean", "test/rmse_mean", "test/rmse_std",
+                   "test/rmse_p10", "test/rmse_worst", "global/test_rmse", "global/test_loss"),
+}
+ASYNC_METRICS = ("time/sim_clock", "async/arrivals")
+#: under an attack (pfl/federation/attacks.py) and with newcomers (pfl/federation/newcomers.py)
+ATTACK_METRICS = ("attack/benign_clients", "attack/diverged")
+NEWCOMER_METRICS = ("newcomer/*", "comm/join_up_bytes", "comm/join_down_bytes")
+
+
+def reported_metrics(cfg) -> tuple[str, ...]:
+    """Every metric name a run of ``cfg`` can report (``*`` matches any tail): the loop's own, the
+    ledger's, the evaluation's for the task, and the method's :attr:`metric_names`."""
+    from .data import source_spec
+    from .federation.comm import CommLedger
+    from .methods import get_method
+
+    task = source_spec(cfg.data.source).task
+    names = [*RUN_METRICS, *CommLedger().metrics(), *EVAL_METRICS[task], *get_method(cfg.method.name).metric_names]
+    if cfg.federation.driver == "async":
+        names += ASYNC_METRICS
+    if cfg.attack.kind != "none":
+        names += ATTACK_METRICS
+    if cfg.newcomers.fraction > 0:
+        names += NEWCOMER_METRICS
+    if any(spec.get("name") in ("fp16", "bf16") for spec in (cfg.compression.uplink, cfg.compression.downlink)):
+        names.append("comm/fp16_flushed")  # pfl.compression.codec: non-zeros a half-precision encoding lost
+    return tuple(dict.fromkeys(names))
+
+
+def metric_known(name: str, catalog: Sequence[str]) -> bool:
+    import fnmatch
+
+    return any(name == pattern or ("*" in pattern and fnmatch.fnmatchcase(name, pattern)) for pattern in catalog)
 
 
 # ---- clustering ------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Low-rank views of conv/linear weights and factorized messages (FedSLR's downlink).
 
-Matrix view R_l of a weight tensor (spec fedslr.md §1, as the reference code does it):
+Matrix view R_l of a weight tensor (docs/methods/fedslr.md §1, as the reference code does it):
 
 * linear (out, in): the matrix itself;
 * conv (out, in, k_h, k_w): move the kernel-row axis next to the output axis, i.e. view it as

@@ -1,18 +1,32 @@
-"""PNG plots of a run's history (matplotlib, headless)."""
+"""PNG plots of runs (matplotlib, headless): one run's history, and many runs' curves side by side.
+
+Rounds are whole numbers on the axes, and each line has its own colour, line style and marker, so
+lines stay distinguishable in print and for colour-blind readers.
+"""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Mapping, Sequence
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 CURVES = (("test/acc_mean", "personalized test acc"), ("val/acc_mean", "personalized val acc"),
           ("global/test_acc", "global model test acc"), ("test/rmse_mean", "personalized test RMSE"),
           ("global/test_rmse", "global model test RMSE"))
+
+
+def line_styles() -> Iterator[dict]:
+    """Colour × line style × marker combinations, none repeated before 10 × 4 × 6 lines."""
+    colors = plt.get_cmap("tab10").colors
+    for style, marker in zip(itertools.cycle(("-", "--", "-.", ":")), itertools.cycle("os^Dvx")):
+        for color in colors:
+            yield {"color": color, "linestyle": style, "marker": marker}
 
 
 def _series(history: Sequence[dict], key: str, x_key: str) -> tuple[list[float], list[float]]:
@@ -24,31 +38,49 @@ def _series(history: Sequence[dict], key: str, x_key: str) -> tuple[list[float],
     return xs, ys
 
 
-def plot_history(history: Sequence[dict], path: str | Path, x_key: str = "round",
-                 xlabel: str = "round", title: str = "") -> Path:
-    """Accuracy (or RMSE) curves against ``x_key`` ('round' or 'comm/total_bytes')."""
-    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
-    scale, unit = 1.0, ""
-    if x_key == "comm/total_bytes":
-        top = max((row.get(x_key, 0.0) for row in history), default=0.0)
-        scale, unit = (2**20, "MiB") if top < 2**30 else (2**30, "GiB")
-        xlabel = f"cumulative communication ({unit})"
-    plotted = False
-    for key, label in CURVES:
-        xs, ys = _series(history, key, x_key)
-        if xs:
-            x_plot = [x + 1 for x in xs] if x_key == "round" else [x / scale for x in xs]
-            ax.plot(x_plot, ys, marker="." if len(xs) < 40 else None, label=label)
-            plotted = True
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel("accuracy" if not any("rmse" in k for k, _ in CURVES if _series(history, k, x_key)[0]) else "value")
+def _finish(fig, ax, path: str | Path, title: str, legend: bool) -> Path:
     if title:
         ax.set_title(title)
-    if plotted:
-        ax.legend()
+    if legend:
+        ax.legend(fontsize="small")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def plot_history(history: Sequence[dict], path: str | Path, x_key: str = "step",
+                 xlabel: str = "round", title: str = "") -> Path:
+    """Accuracy (or RMSE) curves against the rounds done (``step``) or ``comm/total_bytes``."""
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
+    scale = 1.0
+    if x_key == "comm/total_bytes":
+        top = max((row.get(x_key, 0.0) for row in history), default=0.0)
+        scale, unit = (2**20, "MiB") if top < 2**30 else (2**30, "GiB")
+        xlabel = f"cumulative communication ({unit})"
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    plotted, rmse = False, False
+    for (key, label), style in zip(CURVES, line_styles()):
+        xs, ys = _series(history, key, x_key)
+        if xs:
+            ax.plot([x / scale for x in xs], ys, label=label, markersize=4,
+                    **dict(style, marker=style["marker"] if len(xs) < 40 else None))
+            plotted, rmse = True, rmse or "rmse" in key
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("RMSE / accuracy" if rmse else "accuracy")
+    return _finish(fig, ax, path, title, plotted)
+
+
+def plot_curves(curves: Mapping[str, tuple[Sequence[float], Sequence[float]]], path: str | Path,
+                ylabel: str, xlabel: str = "round", title: str = "") -> Path:
+    """One line per labelled (steps, values) series, e.g. every trial of a sweep."""
+    fig, ax = plt.subplots(figsize=(7.2, 4.4), dpi=100)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    for (label, (xs, ys)), style in zip(curves.items(), line_styles()):
+        ax.plot(xs, ys, label=label, markersize=4, **dict(style, marker=style["marker"] if len(xs) < 40 else None))
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    return _finish(fig, ax, path, title, bool(curves))

@@ -3,7 +3,7 @@
 * :func:`soft_threshold` — prox of κ‖x‖₁ (element-wise; FedSLR's sparse part, L1 prox-SGD).
 * :func:`group_soft_threshold` — prox of κ‖x‖₂ on whole rows (FPFC-L1's fusion of a pair).
 * :func:`scad`, :func:`smoothed_scad` and :func:`scad_prox` — FPFC's nonconvex fusion penalty and
-  the closed-form minimiser of  P̃(‖θ‖) + (ρ/2)‖θ − δ‖²  per row (spec fpfc.md §1.3–1.4).
+  the closed-form minimiser of  P̃(‖θ‖) + (ρ/2)‖θ − δ‖²  per row (docs/methods/fpfc.md §1.3–1.4).
 * :func:`svt` — prox of τ‖X‖_* (singular-value soft-thresholding; FedSLR's server step).
 
 Row-wise operators take a (..., p) tensor and treat each trailing vector as one group, so all

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from typing import Any, Union
@@ -25,14 +26,16 @@ class ConfigError(ValueError):
 
 def hp(default: Any = dataclasses.MISSING, doc: str = "", *, low: float | None = None,
        high: float | None = None, low_open: bool = False, high_open: bool = False,
-       choices: typing.Sequence[Any] | None = None, default_factory: Any = dataclasses.MISSING):
+       choices: typing.Sequence[Any] | None = None, default_factory: Any = dataclasses.MISSING,
+       allow_inf: bool = False):
     """A dataclass field with documentation and range/choice constraints.
 
     ``low``/``high`` bound numbers (inclusive unless ``*_open``); ``choices`` enumerates the allowed
-    values of a string (or any) field.
+    values of a string (or any) field; ``allow_inf`` admits +inf where it is a meaningful setting
+    (the ∞-norm of a quantizer), never nan.
     """
     meta = {"doc": doc, "low": low, "high": high, "low_open": low_open, "high_open": high_open,
-            "choices": tuple(choices) if choices is not None else None}
+            "choices": tuple(choices) if choices is not None else None, "allow_inf": allow_inf}
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -108,14 +111,19 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     if tp is float:
         if isinstance(value, bool):
             raise ConfigError(path, f"expected a number, got {value!r}")
+        number = None
         if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str):
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise ConfigError(path, f"expected a number, got {value!r}")
+        if number is None:
+            raise ConfigError(path, f"expected a number, got {value!r}")
+        if math.isnan(number):
+            raise ConfigError(path, f"expected a number, got {value!r}")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value
@@ -166,6 +174,9 @@ def unknown_key_error(key: str, allowed: typing.Iterable[str], path: str) -> Con
 
 def from_dict(cls: type, data: typing.Mapping[str, Any] | None, path: str = ""):
     """Build dataclass ``cls`` from ``data``, validating names, types and ranges."""
+    if data is not None and not isinstance(data, typing.Mapping):
+        raise ConfigError(path or cls.__name__, f"expected a mapping of {', '.join(field_names(cls))}, "
+                                                f"got {data!r}")
     data = dict(data or {})
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
@@ -176,6 +187,8 @@ def from_dict(cls: type, data: typing.Mapping[str, Any] | None, path: str = ""):
     for name, f in fields.items():
         if name in data:
             value = _coerce(data[name], hints[name], _join(path, name))
+            if isinstance(value, float) and math.isinf(value) and not (value > 0 and f.metadata.get("allow_inf")):
+                raise ConfigError(_join(path, name), f"expected a finite number, got {data[name]!r}")
             _check_constraints(value, f.metadata, _join(path, name))
             kwargs[name] = value
     try:

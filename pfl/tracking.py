@@ -104,28 +104,113 @@ def export_environment() -> dict[str, str]:
     return env
 
 
+_READY_STORES: set[str] = set()
+
+
 def client():
     from mlflow.tracking import MlflowClient
 
-    return MlflowClient(tracking_uri=tracking_uri())
+    # creating a new SQLite store logs schema migrations at INFO: nothing a person acts on
+    for name in ("mlflow.store.db.utils", "alembic.runtime.migration"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    uri = tracking_uri()
+    if uri.startswith("sqlite:///") and uri not in _READY_STORES:
+        _initialise_sqlite(uri)
+    return MlflowClient(tracking_uri=uri)
+
+
+def _initialise_sqlite(uri: str, attempts: int = 5) -> None:
+    """Create or migrate the SQLite store once, under a file lock: two processes creating the same
+    new database at once (a sweep's driver and its trials, or a UI opened at that moment) otherwise
+    race in MLflow's schema creation and one of them dies with "table already exists"."""
+    import fcntl
+
+    from mlflow.tracking import MlflowClient
+
+    import hashlib
+
+    key = hashlib.sha1(uri.encode()).hexdigest()[:16]
+    with open(Path(tempfile.gettempdir()) / f"pfl-mlflow-{key}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for attempt in range(attempts):
+            try:
+                MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+                break
+            except Exception:  # a process outside pfl held the schema half-made: let it finish
+                if attempt == attempts - 1:
+                    raise
+                time.sleep(1.0 + attempt)
+    _READY_STORES.add(uri)
+
+
+def run_hint(run_id: str) -> str:
+    """The line a pipeline prints at its end: where its MLflow parent run is and how to look."""
+    return f"MLflow parent run {run_id}; view: mlflow ui --backend-store-uri {tracking_uri()}"
+
+
+DESCRIPTIONS = {
+    "experiment": "Single federated runs (`pfl run`, the comparison pipelines' rows): one run per experiment "
+                  "with every resolved config value as a param, per-round metrics (step = round), plots, "
+                  "client table and final model as artifacts.",
+    "sweep_experiment": "Ray Tune sweeps and pipelines (`pipelines/sweep.py`, `tune_fpfc.py`, the tables): "
+                        "one parent run per sweep or pipeline with the trial table (CSV, HTML, Parquet) and "
+                        "a comparison plot; every trial is a nested child run named by what it tries.",
+}
 
 
 def experiment_id(name: str | None = None, sweep: bool = False) -> str:
-    """Id of the named experiment (mlflow.yaml's default), created with an absolute artifact root."""
+    """Id of the named experiment (mlflow.yaml's default), created with an absolute artifact root
+    and a description (shown on the experiment's page)."""
     settings = load_settings()
-    name = name or settings["sweep_experiment" if sweep else "experiment"]
+    kind = "sweep_experiment" if sweep else "experiment"
+    name = name or settings[kind]
     mc = client()
     exp = mc.get_experiment_by_name(name)
     if exp is not None:
         return exp.experiment_id
     location = artifact_root(settings).rstrip("/") + "/" + name
+    description = DESCRIPTIONS[kind] if name == settings[kind] else f"pfl runs ({DESCRIPTIONS[kind]})"
     try:
-        return mc.create_experiment(name, artifact_location=location)
+        return mc.create_experiment(name, artifact_location=location,
+                                    tags={"mlflow.note.content": description, "pfl.kind": kind})
     except Exception:  # created concurrently by another process
         exp = mc.get_experiment_by_name(name)
         if exp is None:
             raise
         return exp.experiment_id
+
+
+def check_store(timeout: float = 5.0) -> str:
+    """Fail fast (ConfigError naming MLFLOW_TRACKING_URI and the place) when the tracking store or
+    the artifact root cannot be written; returns the tracking URI."""
+    from .schema import ConfigError
+
+    uri = tracking_uri()
+    source = "MLFLOW_TRACKING_URI" if os.environ.get("MLFLOW_TRACKING_URI") else "mlflow.yaml tracking_uri"
+    where = f"{source}={uri}"
+    if uri.startswith("sqlite:///"):
+        db = Path(uri[len("sqlite:///"):])
+        if not db.parent.is_dir():
+            raise ConfigError("MLFLOW_TRACKING_URI", f"{where}: the folder {db.parent} does not exist")
+        if not os.access(db.parent, os.W_OK) or (db.exists() and not os.access(db, os.W_OK)):
+            raise ConfigError("MLFLOW_TRACKING_URI", f"{where}: {db if db.exists() else db.parent} is not writable")
+    elif uri.startswith(("http://", "https://")):
+        import urllib.request
+
+        try:
+            urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout).close()
+        except Exception as err:
+            raise ConfigError("MLFLOW_TRACKING_URI", f"{where}: no MLflow server answers ({err})") from None
+    root = artifact_root()
+    if root.startswith("file://"):
+        from urllib.parse import unquote, urlparse
+
+        folder = Path(unquote(urlparse(root).path))
+        existing = next((p for p in (folder, *folder.parents) if p.exists()), None)
+        if existing is None or not os.access(existing, os.W_OK):
+            raise ConfigError("PFL_ARTIFACT_ROOT", f"the MLflow artifact root {folder} cannot be created "
+                                                   f"({existing} is not writable)")
+    return uri
 
 
 class Tracker:
@@ -136,6 +221,7 @@ class Tracker:
         self.enabled = enabled and run_id is not None
         self._client = client() if self.enabled else None
         self._logged_params: set[str] = set()
+        self.resumed = False  # a run reopened after an interruption (it may hold earlier steps)
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -152,6 +238,7 @@ class Tracker:
     @classmethod
     def resume(cls, run_id: str) -> "Tracker":
         tracker = cls(run_id)
+        tracker.resumed = True
         tracker._client.update_run(run_id, status="RUNNING")
         tracker._logged_params = set(tracker._client.get_run(run_id).data.params)
         return tracker

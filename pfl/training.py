@@ -25,6 +25,15 @@ from torch.func import functional_call
 Params = dict[str, torch.Tensor]
 
 
+def per_sample_loss(task: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The task's loss of every sample (no reduction)."""
+    if task == "classification":
+        return lambda out, y: F.cross_entropy(out, y, reduction="none")
+    if task == "regression":
+        return lambda out, y: F.mse_loss(out.reshape(y.shape), y, reduction="none").reshape(len(y), -1).mean(1)
+    raise ValueError(f"unknown task {task!r}; allowed: classification, regression")
+
+
 def loss_fn(task: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     if task == "classification":
         return F.cross_entropy
@@ -82,11 +91,16 @@ def local_sgd(
     grad_hook: Callable[[Params, Params], Params] | None = None,
     post_step: Callable[[Params], None] | None = None,
     forward: Callable[[Params, torch.Tensor], torch.Tensor] | None = None,
+    loss: Callable[[Params, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> TrainResult:
     """Minibatch SGD on ``mean loss + extra_loss`` from ``params``; returns new tensors.
 
+    ``loss(params, xb, yb)``, when given, replaces the task loss of the forward pass: it returns
+    every sample's loss (APFL's two-model objective); the step minimises their mean.
+
     The input dict is not modified. Untrainable entries are carried over unchanged. With
-    ``batch_size <= 0`` every step is a full-batch gradient step (FPFC's synthetic setting).
+    ``batch_size <= 0`` every step is a full-batch gradient step (FPFC's synthetic setting). The
+    losses are summed on the device and read once at the end (no host synchronisation per step).
     """
     names = list(params)
     train_names = list(names if trainable is None else [n for n in names if n in set(trainable)])
@@ -96,14 +110,14 @@ def local_sgd(
     criterion = loss_fn(task)
     fwd = forward or (lambda p, xb: functional_call(model, p, (xb,)))
     velocity: Params = {}
-    total_loss, count = 0.0, 0
+    total_loss, count = torch.zeros((), device=x.device), 0
     for idx in batch_indices(len(y), batch_size, epochs, steps, generator, x.device):
         xb, yb = (x, y) if idx is None else (x[idx], y[idx])
-        loss = criterion(fwd(state, xb), yb)
-        total_loss += float(loss.detach())
+        value = loss(state, xb, yb).mean() if loss is not None else criterion(fwd(state, xb), yb)
+        total_loss += value.detach()
         if extra_loss is not None:
-            loss = loss + extra_loss(state)
-        grads_list = torch.autograd.grad(loss, [state[k] for k in train_names], allow_unused=True)
+            value = value + extra_loss(state)
+        grads_list = torch.autograd.grad(value, [state[k] for k in train_names], allow_unused=True)
         grads = {k: (g if g is not None else torch.zeros_like(state[k]))
                  for k, g in zip(train_names, grads_list)}
         if grad_hook is not None:
@@ -123,19 +137,113 @@ def local_sgd(
                 post_step(state)
         count += 1
     out = {k: v.detach() for k, v in state.items()}
-    return TrainResult(out, count, total_loss / max(count, 1))
+    return TrainResult(out, count, float(total_loss) / max(count, 1))
 
 
-def proximal_pull(anchor: Mapping[str, torch.Tensor], weight: float) -> Callable[[Params, Params], Params]:
-    """A ``grad_hook`` adding the gradient of (weight/2)‖w − anchor‖²: weight·(w − anchor).
+# ---- declarative hooks ---------------------------------------------------------------------------
+# A hook written as one of these terms (rather than a closure) is a function of tensors it holds:
+# the cohort trainer (pfl.federation.cohort) stacks the tensors of many clients' terms and applies
+# the same formula to all of them at once. Each is an ordinary callable for the one-client loop.
 
-    FedProx's proximal term, Ditto's personal task, pFedMe's Moreau-envelope inner problem.
-    The anchor is read at every step, so an anchor updated in place moves the pull with it.
+class Term:
+    """A ``grad_hook`` (``__call__(grads, params) -> grads``) or a ``post_step`` (``apply(params)``)
+    whose tensors can be stacked along a leading client axis. ``cohort`` is True on a stacked term:
+    per-client reductions then keep that axis."""
+
+    cohort: bool = False
+
+
+@dataclass
+class PullTo(Term):
+    """Gradient of (weight/2)‖w − anchor‖² on the names of ``anchor``: weight·(w − anchor).
+
+    FedProx's proximal term, Ditto's personal task, pFedMe's Moreau envelope, FPFC's augmented-
+    Lagrangian pull, FedSLR's proximal step; ``anchor=None`` pulls every trainable name to 0 (weight
+    decay). The anchor is read at every step, so an anchor updated in place moves the pull with it.
     """
-    def hook(grads: Params, params: Params) -> Params:
-        return {k: g + weight * (params[k] - anchor[k]) for k, g in grads.items()}
+    anchor: Params | None
+    weight: float
 
-    return hook
+    def __call__(self, grads: Params, params: Params) -> Params:
+        w = self.weight
+        if self.anchor is None:
+            return {k: g + w * params[k] for k, g in grads.items()}
+        return {k: (g + w * (params[k] - self.anchor[k]) if k in self.anchor else g) for k, g in grads.items()}
+
+
+@dataclass
+class Shift(Term):
+    """A constant added to the gradient: scale·shift (SCAFFOLD's c − c_k, FedDyn's −g_k, FedSLR's γ)."""
+    shift: Params
+    scale: float = 1.0
+
+    def __call__(self, grads: Params, params: Params) -> Params:
+        return {k: (g + self.scale * self.shift[k] if k in self.shift else g) for k, g in grads.items()}
+
+
+@dataclass
+class ClipNorm(Term):
+    """Scale the gradient down to global L2 norm ``max_norm`` (over all its tensors, per client)."""
+    max_norm: float
+
+    def __call__(self, grads: Params, params: Params) -> Params:
+        if not self.cohort:
+            norm = torch.sqrt(sum((v.float() ** 2).sum() for v in grads.values()))
+            return {k: v * (self.max_norm / norm) for k, v in grads.items()} if norm > self.max_norm else grads
+        norm = torch.sqrt(sum((v.float() ** 2).flatten(1).sum(1) for v in grads.values()))
+        factor = torch.clamp(self.max_norm / norm.clamp_min(1e-30), max=1.0)
+        return {k: v * factor.to(v.dtype).view(-1, *([1] * (v.dim() - 1))) for k, v in grads.items()}
+
+
+@dataclass
+class Terms(Term):
+    """Several gradient terms applied in order."""
+    terms: list
+
+    def __call__(self, grads: Params, params: Params) -> Params:
+        for term in self.terms:
+            grads = term(grads, params)
+        return grads
+
+
+@dataclass
+class SoftThreshold(Term):
+    """``post_step``: every parameter ← sign(p)·max(|p| − kappa, 0) (the L1 proximal map)."""
+    kappa: float
+
+    def __call__(self, params: Params) -> None:
+        from .prox import soft_threshold
+
+        for v in params.values():
+            v.copy_(soft_threshold(v, self.kappa))
+
+
+@dataclass
+class Clamp(Term):
+    """``post_step``: the named parameters clipped to [low, high] (APFL's mixing weight)."""
+    names: tuple
+    low: float
+    high: float
+
+    def __call__(self, params: Params) -> None:
+        for k in self.names:
+            params[k].clamp_(self.low, self.high)
+
+
+@dataclass
+class AddToParams(Term):
+    """``forward``: the model evaluated at ``params + offset`` (FedSLR's personal part P trained on
+    top of the frozen global model: the forward pass sees w + P)."""
+    model: torch.nn.Module
+    offset: Params
+
+    def __call__(self, params: Params, x: torch.Tensor) -> torch.Tensor:
+        return functional_call(self.model, {k: self.offset[k] + params[k] for k in self.offset}, (x,))
+
+
+def proximal_pull(anchor: Mapping[str, torch.Tensor], weight: float) -> PullTo:
+    """A ``grad_hook`` adding the gradient of (weight/2)‖w − anchor‖²: weight·(w − anchor)."""
+    return PullTo(anchor, weight)
 
 
 @dataclass
@@ -168,3 +276,24 @@ def evaluate(model: torch.nn.Module, params: Mapping[str, torch.Tensor], x: torc
             loss_sum += float(F.mse_loss(out.reshape(yb.shape), yb, reduction="sum"))
     acc = correct / n if task == "classification" else float("nan")
     return EvalResult(loss_sum / n, acc, n)
+
+
+def batch_gradient(model: torch.nn.Module, params: Mapping[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor,
+                   *, task: str = "classification", batch_size: int = 0, generator: torch.Generator | None = None,
+                   weight_decay: float = 0.0) -> tuple[Params, float]:
+    """∇ of the mean loss (+ (weight_decay/2)‖w‖²) at ``params`` on one minibatch of ``batch_size``
+    samples drawn without replacement from ``generator`` (0 or ≥ n: the whole set), and the loss.
+
+    The gradient oracle of the methods that exchange gradients (ADIANA, MARINA): two calls with the
+    same generator seed use the same minibatch."""
+    n = len(y)
+    if 0 < batch_size < n:
+        idx = torch.randperm(n, generator=generator)[:batch_size].to(x.device)
+        x, y = x[idx], y[idx]
+    leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+    loss = loss_fn(task)(functional_call(model, leaves, (x,)), y)
+    grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+    out = {k: (g if g is not None else torch.zeros_like(leaves[k])).detach() for k, g in zip(leaves, grads)}
+    if weight_decay:
+        out = {k: g + weight_decay * params[k].detach() for k, g in out.items()}
+    return out, float(loss.detach())

@@ -2,7 +2,7 @@
 
     python pipelines/bench_fpfc.py [--rounds 10] [--device cpu|cuda] [--threads N] [--no-track]
 
-Runs FPFC on scenario S1 (spec fpfc.md §5.1: 100 devices, 30 per round, 10 full-batch steps,
+Runs FPFC on scenario S1 (docs/methods/fpfc.md §5.1: 100 devices, 30 per round, 10 full-batch steps,
 p = 610) without evaluation and times, per round, (a) the clients' calls of the shared local-SGD
 loop (:func:`pfl.training.local_sgd`), (b) the server's work (``begin_round``: all ζ_i in one
 stacked op; ``aggregate``: the pair updates of the 30 × 100 × 610 rows touching the sampled set),

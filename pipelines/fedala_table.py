@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pfl.config import apply_overrides, resolve  # noqa: E402
 from pfl.schema import ConfigError  # noqa: E402
+from pfl.tracking import run_hint  # noqa: E402
 
 #: label -> (method name, method overrides)
 ROWS: dict[str, tuple[str, dict]] = {
@@ -118,7 +119,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from pfl.data import load_federated
     from pfl.runner import TableRun
-    from pfl.tracking import tracking_uri
     from pfl.tune.space import load_scenario
 
     tracking = not args.no_tracking
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ntotal wall time {time.perf_counter() - t0:.0f} s")
     parent.finish(results, "fedala_table", table)
     if tracking:
-        print(f"MLflow parent run {parent.run_id}; view: mlflow ui --backend-store-uri {tracking_uri()}")
+        print(run_hint(parent.run_id))
     return 0
 
 

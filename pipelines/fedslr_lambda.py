@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pfl.config import apply_overrides, load  # noqa: E402
 from pfl.runner import TableRun  # noqa: E402
 from pfl.schema import ConfigError  # noqa: E402
+from pfl.tracking import run_hint  # noqa: E402
 from pfl.tune.space import load_scenario  # noqa: E402
 
 COLUMNS = ("method", "lam", "rank_mean", "rank_kept", "gkr_params", "mixed_params", "sparsity",
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         print(" | ".join(fmt(row[k]) for k in COLUMNS))
     parent.finish(rows, "fedslr_lambda")
     if parent.run_id:
-        print(f"\nMLflow parent run {parent.run_id}")
+        print("\n" + run_hint(parent.run_id))
     return 0
 
 

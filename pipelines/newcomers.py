@@ -5,13 +5,13 @@
     python pipelines/newcomers.py --scenarios s1 --methods fpfc local
 
 20 % of the devices (``newcomers.fraction``, drawn once from the seed) take no part in training and
-join after the last round by their method's rule (pfl/federation/newcomers.py, spec fpfc.md §8):
+join after the last round by their method's rule (pfl/federation/newcomers.py, docs/methods/fpfc.md §8):
 
 * ``local``      trains alone (``newcomers.rounds`` local updates);
 * ``fedavg``     is evaluated with the final global model;
 * ``lg``         (LG-FedAvg) fine-tunes the server's model for ``newcomers.finetune_rounds`` (1) local
                  updates; the body was FedAvg-trained in a warm-up of half the rounds
-                 (``warmup_rounds``) so that the server's model is a trained one (spec §9: the FPFC
+                 (``warmup_rounds``) so that the server's model is a trained one (docs/methods/fpfc.md §9: the FPFC
                  repository's "LG" is FedAvg-like);
 * ``perfedavg``  fine-tunes the final global model for ``newcomers.finetune_rounds`` (1) local updates;
 * ``ifca``       picks the cluster model with the lowest training loss (K = 4);
@@ -43,11 +43,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pfl.schema import ConfigError  # noqa: E402
+from pfl.tracking import run_hint  # noqa: E402
 
 #: Table 3's rows in the paper's order
 METHODS = ["local", "fedavg", "lg", "perfedavg", "ifca", "cfl", "pacfl", "fpfc_l1", "fpfc"]
 
-#: the paper's Table 3 (mean local test accuracy of the newcomers in %, std), spec fpfc.md §8
+#: the paper's Table 3 (mean local test accuracy of the newcomers in %, std), docs/methods/fpfc.md §8
 PAPER = {
     "local": {"s1": (79.00, 0.08), "mnist": (90.81, 0.06), "fmnist_labelswap": (75.29, 0.06)},
     "fedavg": {"s1": (38.73, 0.29), "mnist": (73.67, 0.04), "fmnist_labelswap": (66.26, 0.06)},
@@ -188,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(result["table"])
     if result["parent_run_id"]:
-        print(f"\nMLflow parent run {result['parent_run_id']}")
+        print("\n" + run_hint(result["parent_run_id"]))
     return 0
 
 

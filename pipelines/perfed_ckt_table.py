@@ -33,7 +33,7 @@ from pfl.config import load  # noqa: E402
 from pfl.data import load_federated  # noqa: E402
 from pfl.runner import TableRun, format_bytes  # noqa: E402
 from pfl.schema import ConfigError  # noqa: E402
-from pfl.tracking import tracking_uri  # noqa: E402
+from pfl.tracking import run_hint  # noqa: E402
 
 ARCHS = ["cnn_fpfc", "mlp", "cnn_fedavg"]
 LARGEST = "cnn_fedavg"
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     parent.log_metrics(headline)
     parent.finish(rows, "perfed_ckt_table", text)
     if parent.run_id:
-        print(f"\nMLflow parent run {parent.run_id}; view: mlflow ui --backend-store-uri {tracking_uri()}")
+        print("\n" + run_hint(parent.run_id))
     return 0
 
 

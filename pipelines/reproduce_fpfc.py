@@ -6,19 +6,19 @@
     python pipelines/reproduce_fpfc.py --methods fpfc --lam 0.6 --preset paper   # the README λ
     python pipelines/reproduce_fpfc.py --scenario fmnist_labelswap [--preset paper]
 
-S1 (spec fpfc.md §5.1, §6): ``fpfc_synthetic`` with the paper's generator seed 0, 100 devices in 4
+S1 (docs/methods/fpfc.md §5.1, §6): ``fpfc_synthetic`` with the paper's generator seed 0, 100 devices in 4
 clusters, 80/20 train/test split, 30 devices per round, 10 full-batch gradient steps with lr 0.1,
 softmax regression (p = 610). Methods (``--methods``; unknown or unregistered ones are skipped
 with a note):
 
-* ``fpfc``       smoothed-SCAD FPFC, λ = 0.8 (spec §11; README 0.6), ν = 0.1;
+* ``fpfc``       smoothed-SCAD FPFC, λ = 0.8 (docs/methods/fpfc.md §11; README 0.6), ν = 0.1;
 * ``fpfc_l1``    group-lasso fusion, README λ = 0.2, ν = 4; the table adds the ν between the
                  largest within- and smallest between-cluster ‖θ_ij‖ (any such ν recovers the
                  true clusters, when one exists);
 * ``async_fpfc`` FPFC with ``federation.driver=async`` (pfl/federation/async_clock.py): a
                  logged round holds 30 arrivals, so rounds compare sync and async at equal
                  numbers of device updates; ``sim clock`` is the simulated time they took;
-* ``ifca`` (K = 4), ``cfl`` (ε1/ε2 = 0.5/1.0, spec §9), ``pacfl`` (β = 4) when registered;
+* ``ifca`` (K = 4), ``cfl`` (ε1/ε2 = 0.5/1.0, docs/methods/fpfc.md §9), ``pacfl`` (β = 4) when registered;
 * ``fedavg``, ``local``.
 
 Presets: ``quick`` = 200 rounds with the model zoo's initialisation (FPFC λ = 0.8 fuses the four
@@ -29,15 +29,16 @@ option). Smaller devices (``data.params.size_scale`` < 1) were checked and do NO
 clustering on S1 (0.1: ~66 components, 0.3: ~32 after 300 rounds), so both presets use the full
 data. The best λ depends on the initialisation: from the zoo initialisation λ = 0.6 reached
 88.2 % / 4 clusters and λ = 0.8 82.3 % after 2000 rounds; from the official one λ = 0.8 gives
-88.8 % / 4 / ARI 1.00 and λ = 0.6 85.1 % / 37 components (as the spec's §11 check found).
+88.8 % / 4 / ARI 1.00 and λ = 0.6 85.1 % / 37 components (as the check in docs/methods/fpfc.md §11 found).
 
-``--scenario fmnist_labelswap`` is the paper's FMNIST setting (spec §5.2, §6): 20 devices in 4
+``--scenario fmnist_labelswap`` is the paper's FMNIST setting (docs/methods/fpfc.md §5.2, §6): 20 devices in 4
 label-swap clusters (Dirichlet(1.0) label mixes within a cluster), 10 devices per round, 10 local
 epochs of batch 100, lr 0.009·0.9^⌊k/5⌋, FPFC λ = 0.4 (README) with the body shared FedAvg-style and
 the last layer clustered; table entries ``fpfc``, ``fedavg``, ``local`` by default (``ifca`` etc. on
-request). ``paper`` = the full 60,000 training images and 200 rounds (≈ 22 s a round for FPFC on two
+request). ``paper`` = all 70,000 pooled Fashion-MNIST images (train and test sets, split per client
+70/10/20) and 200 rounds (≈ 22 s a round for FPFC on two
 CPU cores); ``quick`` = 10,000 images, 5 local epochs, 40 rounds (a few minutes). The read-out is
-ours (the official code has none for FMNIST, spec §2.7 Q6): no pair fuses exactly there (every
+ours (the official code has none for FMNIST, docs/methods/fpfc.md §2.7 Q6): no pair fuses exactly there (every
 ‖θ_ij‖ sits in SCAD's soft-threshold region, within-cluster ≈ 0.2 on average at the paper's scale),
 so ν = 0.1 gives 20 singletons, and the window of ν that gives the 4 clusters is 0.01–0.09 wide and
 moves with the seed and the round (ν = 0.25 gave ARI ≥ 0.93 for seed 0 at rounds 50–150 and seed 1
@@ -63,6 +64,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pfl.schema import ConfigError  # noqa: E402
+from pfl.tracking import run_hint  # noqa: E402
 
 S1 = {
     "data.source": "fpfc_synthetic", "data.num_clients": 100, "data.val_fraction": 0.0,
@@ -71,7 +73,7 @@ S1 = {
     "federation.lr": 0.1, "model.name": "softmax_regression", "seed": 1,
 }
 
-#: FPFC's MNIST/FMNIST setting (spec §2.5, §5.2, §6): the scenario file's ``fmnist_labelswap``
+#: FPFC's MNIST/FMNIST setting (docs/methods/fpfc.md §2.5, §5.2, §6): the scenario file's ``fmnist_labelswap``
 #: (20 devices in 4 label-swap clusters, 10 per round, 10 local epochs, lr 0.009·0.9^⌊k/5⌋)
 #: with FPFC clustering only the last layer
 LABELSWAP_FPFC = {"method.shared_layers": "body"}
@@ -109,7 +111,7 @@ METHODS = {
     "local": ("local", {}),
 }
 
-#: the official stored λ = 0.6 curve (spec §10/§11): test accuracy at rounds 500/1000/2000
+#: the official stored λ = 0.6 curve (docs/methods/fpfc.md §10/§11): test accuracy at rounds 500/1000/2000
 OFFICIAL_LAMBDA_06 = {500: 0.786, 1000: 0.843, 2000: 0.8633}
 
 
@@ -150,7 +152,7 @@ def curve_points(history: list[dict], key: str = "test/acc_mean") -> list[tuple[
 
 
 def l1_between(sim) -> dict:
-    """FPFC-L1: the read-out at a ν between the within- and between-cluster ‖θ‖ (spec §11)."""
+    """FPFC-L1: the read-out at a ν between the within- and between-cluster ‖θ‖ (docs/methods/fpfc.md §11)."""
     from pfl.evaluation import cluster_metrics
 
     method = sim.method
@@ -181,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="FPFC models' initialisation: official N(0,1) or the model zoo's (default: preset's)")
     parser.add_argument("--eval-every", type=int, help="evaluate every this many rounds")
     parser.add_argument("--lam", type=float,
-                        help="FPFC λ (default: S1 0.8, spec §11, README 0.6; fmnist_labelswap 0.4, README)")
+                        help="FPFC λ (default: S1 0.8, docs/methods/fpfc.md §11, README 0.6; fmnist_labelswap 0.4, README)")
     parser.add_argument("--nu", type=float, default=0.1, help="FPFC read-out ν (README 0.1)")
     parser.add_argument("--nu-select", choices=("fixed", "silhouette"),
                         help="FPFC read-out threshold: ν, or the best-silhouette cut of ‖θ_ij‖ with ν as the "
@@ -323,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
                                 f"{key}/comm_bytes": row["comm_bytes"]})
     parent.finish(rows, "table", text="\n".join([table, *notes]))
     if parent.run_id:
-        print(f"MLflow parent run {parent.run_id}")
+        print(run_hint(parent.run_id))
     return 0
 
 

@@ -7,7 +7,7 @@
 Grid: methods × attacks × malicious fractions × scenarios. Methods (``--methods``): ``fpfc``,
 ``fpfc_l1``, ``fedavg``, ``fedavg_median`` (coordinate-wise median), ``fedavg_krum`` (Krum with
 f = round(|S|·fraction), as the attacks' source [37] sets it), ``local``, ``ifca`` (K = 4), ``cfl``,
-``ditto``. Attacks (``--attacks``, pfl/federation/attacks.py, spec fpfc.md §8): ``same_value``
+``ditto``. Attacks (``--attacks``, pfl/federation/attacks.py, docs/methods/fpfc.md §8): ``same_value``
 (c·1, c ~ N(0, 100²)), ``sign_flip`` (−|s|·w, s ~ N(0, 10²)), ``gaussian`` (N(0, 100²) entries).
 Fractions (``--fractions``): 0, 0.2, 0.4, 0.6, 0.8 of the devices are malicious (drawn once from the
 seed; the same devices for every method and attack); fraction 0 is the clean run, run once per method
@@ -30,7 +30,7 @@ Scenarios (``--scenarios``):
   scenario's lr 0.009·0.9^⌊k/5⌋ is made for 200 rounds of 10 epochs and leaves FPFC at 36 % here, lr 0.1
   gives FPFC 65 %, FedAvg 56 %, Local 62 % in 20 rounds);
   ``paper``: 200 rounds, 10 local epochs on all 60,000 images.
-  CFL uses the FPFC repository's MNIST thresholds ε1/ε2 = 0.05/0.1 here, 0.5/1.0 on S1 (spec §9).
+  CFL uses the FPFC repository's MNIST thresholds ε1/ε2 = 0.05/0.1 here, 0.5/1.0 on S1 (docs/methods/fpfc.md §9).
   The attack rewrites only the last layer of every upload here (``attack.scope: head``): the paper
   attacks "the personalization layers" (§6.4.1); FPFC clusters only that layer and averages the
   convolutional body with a plain mean, so with ``--scope model`` the attackers poison the body and
@@ -64,6 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pfl.federation.loop import Callback  # noqa: E402
 from pfl.schema import ConfigError  # noqa: E402
+from pfl.tracking import run_hint  # noqa: E402
 
 ATTACKS = ("same_value", "sign_flip", "gaussian")
 #: evaluations per run, and the share of the last rounds whose evaluations the reported accuracy averages
@@ -384,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\nLargest drop from the clean run's accuracy on the same benign devices:")
     print("\n".join(result["drops"]))
     if result["parent_run_id"]:
-        print(f"\nMLflow parent run {result['parent_run_id']}")
+        print("\n" + run_hint(result["parent_run_id"]))
     return 0
 
 

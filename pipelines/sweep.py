@@ -1,23 +1,72 @@
 """Hyperparameter sweep of any method with Ray Tune + Optuna (optionally ASHA).
 
     python pipelines/sweep.py --space search_spaces/fedprox.yaml [--set key=value ...] [--smoke]
-                              [--resume] [--address ray://... | $RAY_ADDRESS] [--resources cpu=1,gpu=0.25]
+                              [--resume] [--address HOST:PORT | $RAY_ADDRESS] [--resources cpu=1,gpu=0.25]
 
-Prints progress, then the best config and a table of all trials. The table is written as Parquet
-and logged, with the best config and its metrics, on the sweep's MLflow parent run; every trial is
-a nested child run.
+Prints one line per trial event (start, evaluations, end), then the trials (the key columns; the
+full table is the parent run's artifact) and the best config. The table (CSV, HTML, Parquet), a
+plot of every trial's curve and the best config are logged on the sweep's MLflow parent run; every
+trial is a nested child run named by what it tries.
+
+Exit status: 0 when every trial ran (failures are listed), 1 when every trial failed, 2 for an
+invalid space or config (nothing started), 130 / 143 when interrupted by SIGINT / SIGTERM (the
+command to resume is printed).
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pfl.schema import ConfigError  # noqa: E402
-from pfl.tracking import tracking_uri  # noqa: E402
+from pfl.tracking import run_hint  # noqa: E402
+
+
+def resume_command(argv: list[str] | None) -> str:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--resume" not in args:
+        args.append("--resume")
+    return " ".join(shlex.quote(a) for a in [sys.executable, sys.argv[0] or "pipelines/sweep.py", *args])
+
+
+def short_table(table, searched: list[str], metric: str):
+    """The columns a person compares (the full table is the artifact)."""
+    keys = ["trial", "status", *searched, metric, "test/acc_mean", "global/test_acc", "round", "error"]
+    return table[[k for k in dict.fromkeys(keys) if k in table.columns]]
+
+
+def print_outcome(result, space, argv: list[str] | None) -> int:
+    import pandas as pd
+
+    searched = list(space.distributions)
+    if len(result.table):
+        with pd.option_context("display.max_columns", 12, "display.width", 150, "display.max_colwidth", 60,
+                               "display.float_format", "{:.4g}".format):
+            print("\n== trials ==")
+            print(short_table(result.table, searched, space.metric).to_string(index=False))
+    for trial, reason in result.failures.items():
+        print(f"failed: {trial}: {reason}")
+    if result.status == "INTERRUPTED":
+        done = int((result.table["status"] == "OK").sum()) if len(result.table) else 0
+        print(f"\ninterrupted after {result.wall_s:.0f} s: {done} of {result.expected_trials} trials finished; "
+              "no best is reported for an incomplete sweep.\nresume with: " + resume_command(argv))
+    elif result.status == "FAILED":
+        print(f"\nevery trial failed ({len(result.failures)}); see the reasons above")
+    else:
+        print("\n== best ==")
+        for key, value in result.best_config.items():
+            print(f"  {key} = {value}")
+        for key in dict.fromkeys((space.metric, "test/acc_mean", "global/test_acc")):
+            if key in result.best_metrics:
+                print(f"  {key}: {result.best_metrics[key]:.4f}")
+    print(f"\nwall time {result.wall_s:.0f} s; trials table: {result.experiment_path}/trials.csv")
+    if result.parent_run_id:
+        print(run_hint(result.parent_run_id))
+    return result.exit_code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", action="store_true", help="continue an interrupted sweep of the same name")
     parser.add_argument("--name", help="experiment name (default: the space file's stem)")
     parser.add_argument("--storage", default="ray_results", help="where Ray keeps the experiment")
-    parser.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else a local instance)")
+    parser.add_argument("--address", help="Ray cluster HOST:PORT (default: $RAY_ADDRESS, else a local instance)")
     parser.add_argument("--resources", help="per-trial resources, e.g. cpu=1,gpu=0.25")
     parser.add_argument("--num-samples", type=int, help="override the space's number of trials")
     args = parser.parse_args(argv)
@@ -45,20 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
-    import pandas as pd
-
-    with pd.option_context("display.max_columns", 20, "display.width", 160):
-        print("\n== trials ==")
-        print(result.table.drop(columns=["mlflow_run_id"], errors="ignore").to_string(index=False))
-    print("\n== best ==")
-    for key, value in result.best_config.items():
-        print(f"  {key} = {value}")
-    for key in (space.metric, "test/acc_mean", "global/test_acc"):
-        if key in result.best_metrics:
-            print(f"  {key}: {result.best_metrics[key]:.4f}")
-    print(f"\nwall time {result.wall_s:.0f} s; trials table: {result.experiment_path}/trials.parquet")
-    print(f"MLflow parent run {result.parent_run_id}; view: mlflow ui --backend-store-uri {tracking_uri()}")
-    return 0
+    return print_outcome(result, space, argv)
 
 
 if __name__ == "__main__":

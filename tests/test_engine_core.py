@@ -13,6 +13,7 @@ from helpers import small_config, straight_and_resumed
 from pfl.federation.loop import Callback, RoundLoop
 from pfl.federation.simulator import CheckpointError, Simulator, simulator_for
 from pfl.federation.state import encode
+from pfl.evaluation import metric_known, reported_metrics
 from pfl.methods import get_method, list_methods
 from pfl.schema import ConfigError
 
@@ -25,6 +26,10 @@ METHOD_SETTINGS = {
     "fedslr": {"method.lam": 1e-2},
     "perfed_ckt": {"method.architectures": SMALL_ARCHS, "method.public_size": 40},
     "ifca": {"method.k": 2},
+    # methods that need every client in every round
+    "fedpd": {"federation.clients_per_round": 0},
+    "adiana": {"federation.clients_per_round": 0},
+    "marina": {"federation.clients_per_round": 0},
 }
 
 
@@ -86,6 +91,11 @@ def test_resume_from_a_mid_run_checkpoint_equals_the_uninterrupted_run(tmp_path,
     assert _untimed(resumed.history) == _untimed(straight.history)
     _same(encode(resumed.model_state()), encode(straight.model_state()))
     assert resumed.ledger.state_dict() == straight.ledger.state_dict()
+    # every metric the run logged is one the sweeps' validation knows (pfl.evaluation.reported_metrics)
+    catalog = reported_metrics(cfg)
+    unknown = sorted({k for row in straight.history for k in row
+                      if k not in ("round", "step") and not metric_known(k, catalog)})
+    assert not unknown, unknown
 
 
 def test_asynchronous_driver_resumes_exactly(tmp_path):
@@ -275,3 +285,23 @@ def test_lambda_path_interrupted_mid_path_resumes_from_its_checkpoint(tmp_path):
     values = [m.value for m in history]
     assert all(b >= a for a, b in zip(values, values[1:])), "cumulative traffic fell"
     assert "lambda_path.csv" in {a.path for a in mc.list_artifacts(logger.run_id)}
+
+
+def test_every_param_of_a_lambda_path_trial_is_the_value_the_run_used(tmp_path):
+    from pfl.callbacks.tracking import config_params
+    from pfl.tracking import client
+    from pfl.tune.lambda_path import PathSettings
+
+    cfg = small_config(method__name="fpfc", data__val_fraction=0.2, federation__rounds=12,
+                       tracking__enabled=True, tracking__experiment="params")
+    settings = PathSettings(lambdas=[0.2, 0.4], eval_every=2, stage_cap=4, min_stage_rounds=2,
+                            tolerance=1.0, patience=5, budget=10)
+    loop, path, logger = _path_loop(cfg, settings, tmp_path)
+    assert loop.run(until=math.inf).status == "FINISHED"
+    params = client().get_run(logger.run_id).data.params
+    used = {k: str(v) for k, v in config_params(loop.sim.cfg).items()}   # the config as the run ended
+    used["federation.rounds"] = str(loop.sim.executed)       # rounds the trial computed, path included
+    assert params["method.lam"] == str(loop.summary["fpfc/selected_lambda"]) == used["method.lam"]
+    assert params["federation.rounds"] == used["federation.rounds"] != str(cfg.federation.rounds)
+    assert params.pop("path.lambdas_run") == "0.2 0.4"
+    assert params == used

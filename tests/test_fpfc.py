@@ -41,7 +41,7 @@ def _random_state(m=6, p=5, seed=0):
 
 
 def _loop_reference(W, theta, v, rows, prox, rho, mode):
-    """The update of spec §2.2 step 4 pair by pair in plain Python."""
+    """The update of docs/methods/fpfc.md §2.2 step 4 pair by pair in plain Python."""
     theta, v = theta.clone(), v.clone()
     m = W.shape[0]
 

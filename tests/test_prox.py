@@ -1,4 +1,4 @@
-"""Proximal operators against direct evaluation (spec fpfc.md §1.4 test vectors, SVT closed form)."""
+"""Proximal operators against direct evaluation (docs/methods/fpfc.md §1.4 test vectors, SVT closed form)."""
 
 import pytest
 import torch

@@ -425,3 +425,53 @@ def test_krum_breaks_the_tie_of_mutually_nearest_replies_by_position():
         assert scores[1] == scores[4] and int(torch.argmin(scores)) == 1
         models = [{"w": r.float()} for r in x]
         assert krum(models, 3)[1] == [1]
+
+
+def test_attack_and_newcomer_metrics_are_in_the_sweep_catalog():
+    """A sweep may optimise ``newcomer/acc_mean`` or read ``attack/benign_clients``: both are catalogued,
+    and only for configs that report them."""
+    from pfl.evaluation import metric_known, reported_metrics
+
+    cfg = small_config(method__name="fpfc", attack__kind="gaussian", attack__fraction=0.2, newcomers__fraction=0.2,
+                       newcomers__rounds=2, federation__rounds=2)
+    sim = Simulator(cfg)
+    sim.run()
+    logged = {k for row in sim.history for k in row if k not in ("round", "step")} | set(sim.join_result)
+    assert {"attack/benign_clients", "newcomer/acc_mean", "newcomer/clusters", "comm/join_up_bytes"} <= logged
+    catalog = reported_metrics(cfg)
+    assert [k for k in sorted(logged) if not metric_known(k, catalog)] == []
+    plain = reported_metrics(small_config(method__name="fpfc"))
+    assert not metric_known("newcomer/acc_mean", plain) and not metric_known("attack/benign_clients", plain)
+
+
+@pytest.mark.parametrize("name, extra", [("fedavg", {"method__aggregator": "krum"}), ("fpfc", {}),
+                                         ("ifca", {"method__k": 2})])
+def test_attacks_and_robust_rules_act_alike_on_sequential_and_vectorized_cohorts(name, extra):
+    """The attack is a transform at the delivery boundary, which both cohort paths cross per client: the
+    attacked uploads are the same draws, the benign ones agree up to float rounding, newcomers join alike."""
+    kw = dict(method__name=name, attack__kind="gaussian", attack__fraction=0.3, newcomers__fraction=0.2,
+              newcomers__rounds=2, federation__rounds=2, **extra)
+    seq = Simulator(small_config(federation__cohort="sequential", **kw))
+    vec = Simulator(small_config(federation__cohort="vectorized", **kw))
+    assert not seq.vectorized and vec.vectorized and seq.malicious == vec.malicious
+    seq.run()
+    vec.run()
+    for a, b in zip(seq.history, vec.history):
+        for key in ("test/acc_mean", "attack/benign_clients", "comm/up_bytes"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+    assert seq.join_result.keys() == vec.join_result.keys()
+    assert vec.join_result["newcomer/acc_mean"] == pytest.approx(seq.join_result["newcomer/acc_mean"], abs=1e-6)
+    if name == "fpfc":
+        bad = sorted(seq.malicious)
+        assert torch.allclose(vec.method.W[bad], seq.method.W[bad], rtol=1e-5, atol=1e-4)
+        assert seq.method.W[bad].abs().max() > 50       # noise, not what they trained
+
+
+def test_attacks_refuse_an_encoded_uplink_before_any_work():
+    with pytest.raises(ConfigError, match="attack.kind.*compression.uplink"):
+        small_config(attack__kind="gaussian", attack__fraction=0.2, compression__uplink={"name": "qsgd", "s": 7})
+    with pytest.raises(ConfigError, match="attack.kind.*encodes its own uplink"):
+        small_config(method__name="diana", attack__kind="sign_flip", attack__fraction=0.2)
+    # a compressed downlink leaves the uploads plain: allowed
+    cfg = small_config(attack__kind="gaussian", attack__fraction=0.2, compression__downlink={"name": "fp16"})
+    assert cfg.attack.kind == "gaussian"

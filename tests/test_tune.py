@@ -30,7 +30,7 @@ class Cluster:
     def __init__(self, prefix, address, env):
         self.prefix, self.address, self.env = prefix, address, env
 
-    def popen(self, args, env_extra, **kwargs):
+    def popen(self, args, env_extra, **kwargs):  # kwargs: e.g. start_new_session for a process group
         env = dict(self.env, **env_extra)
         return subprocess.Popen(self.prefix + args, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, **kwargs)
@@ -119,8 +119,12 @@ def ray_cluster():
 
 
 def _store(tmp_path):
+    """A fresh SQLite store, created here: the tests poll it while a sweep writes, and two processes
+    creating the same new database race in MLflow's schema set-up."""
     db = tmp_path / "mlflow.db"
-    return {"MLFLOW_TRACKING_URI": f"sqlite:///{db}", "PFL_CACHE_DIR": str(tmp_path / "cache")}, db
+    uri = f"sqlite:///{db}"
+    MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+    return {"MLFLOW_TRACKING_URI": uri, "PFL_CACHE_DIR": str(tmp_path / "cache")}, db
 
 
 def _sweep_args(space, tmp_path, *extra):
@@ -223,11 +227,19 @@ def test_smoke_sweep_on_cluster_logs_parent_children_and_table(ray_cluster, tmp_
     assert all(c.data.tags["mlflow.parentRunId"] == parent.info.run_id for c in children)
     assert all(c.info.status == "FINISHED" for c in children)
     assert all("val/acc_mean" in c.data.metrics for c in children)
-    assert any(a.path == "trials.parquet" for a in mc.list_artifacts(parent.info.run_id))
+    artifacts = {a.path for a in mc.list_artifacts(parent.info.run_id)}
+    assert {"trials.parquet", "trials.csv", "trials.html"} <= artifacts
+    assert "plots/trials_val_acc_mean.png" in {a.path for a in mc.list_artifacts(parent.info.run_id, "plots")}
     table = pd.read_parquet(tmp_path / "ray_results" / "fedavg-smoke" / "trials.parquet")
     assert len(table) == len(children) and set(table["mlflow_run_id"]) == {c.info.run_id for c in children}
     best = table.sort_values("val/acc_mean", ascending=False).iloc[0]
     assert parent.data.params["best.federation.lr"] == str(best["federation.lr"])
+    # runs named by what they try; the experiment says what it holds
+    assert all(c.info.run_name.startswith("fedavg lr=") for c in children), [c.info.run_name for c in children]
+    experiment = mc.get_experiment(parent.info.experiment_id)
+    assert "sweep" in experiment.tags.get("mlflow.note.content", "").lower()
+    # one line per trial event, not Tune's status table
+    assert "Trial status" not in out and "[" in out and "fedavg lr=" in out
 
 
 def test_diverging_trial_fails_alone(ray_cluster, tmp_path):
@@ -235,7 +247,7 @@ def test_diverging_trial_fails_alone(ray_cluster, tmp_path):
     env["RAY_ADDRESS"] = ray_cluster.address
     space = _write(tmp_path, {
         "base": {"data.source": "digits", "data.num_clients": 6, "federation.rounds": 3,
-                 "federation.clients_per_round": 3},
+                 "federation.clients_per_round": 3, "federation.local_epochs": 1},
         "fixed": {"method.name": "fedavg"},
         "search": {"federation.lr": {"type": "grid", "values": [0.1, 1.0e12]}},
         "searcher": "grid", "num_samples": 1, "metric": "val/acc_mean",
@@ -247,23 +259,65 @@ def test_diverging_trial_fails_alone(ray_cluster, tmp_path):
     assert status == ["FAILED", "FINISHED"], status
     failed = [c for c in children if c.info.status == "FAILED"][0]
     assert "loss" in failed.data.tags.get("pfl.failure", "")
+    assert "failed: fedavg lr=1e+12: round 1: training loss is nan" in out
 
 
-def test_interrupted_sweep_resumes_without_losing_or_duplicating_runs(ray_cluster, tmp_path):
+def test_sweep_whose_trials_all_fail_exits_nonzero_with_each_reason(ray_cluster, tmp_path):
     env, db = _store(tmp_path)
     env["RAY_ADDRESS"] = ray_cluster.address
     space = _write(tmp_path, {
-        "base": {"data.source": "digits", "data.num_clients": 6, "federation.rounds": 30,
-                 "federation.clients_per_round": 3, "federation.eval_every": 2},
+        "base": {"data.source": "digits", "data.num_clients": 6, "federation.rounds": 3,
+                 "federation.clients_per_round": 3, "federation.local_epochs": 1},
         "fixed": {"method.name": "fedavg"},
-        "search": {"federation.lr": {"type": "grid", "values": [0.02, 0.05, 0.1, 0.2]}},
-        "searcher": "grid", "num_samples": 1, "max_concurrent": 1, "checkpoint_every": 4,
+        "search": {"federation.lr": {"type": "grid", "values": [1.0e12, 1.0e13]}},
+        "searcher": "grid", "num_samples": 1,
     })
-    args = _sweep_args(space, tmp_path, "--name", "resumable")
-    proc = ray_cluster.popen(args, env)
-    uri = env["MLFLOW_TRACKING_URI"]
-    deadline = time.time() + 300
-    finished = 0
+    code, out = ray_cluster.run(_sweep_args(space, tmp_path), env)
+    assert code == 1, out[-4000:]
+    failures = [ln for ln in out.splitlines() if ln.startswith("failed: ")]
+    assert len(failures) == 2 and all("training loss is nan" in ln for ln in failures), failures
+    assert "\x1b[" not in out and "pid=" not in out
+    parents, _, _ = _runs(env["MLFLOW_TRACKING_URI"])
+    assert parents[0].info.status == "FAILED"
+
+
+def test_bad_metric_name_exits_2_before_ray_starts(tmp_path):
+    env, db = _store(tmp_path)
+    space = _write(tmp_path, {"base": {"data.source": "digits"}, "fixed": {"method.name": "fedavg"},
+                              "search": {"federation.lr": [0.1]}, "metric": "val/acc_meen"})
+    started = time.time()
+    proc = subprocess.run(_sweep_args(space, tmp_path), capture_output=True, text=True,
+                          env=dict(os.environ, **env), timeout=120)
+    assert proc.returncode == 2 and "val/acc_meen" in proc.stderr and "did you mean 'val/acc_mean'" in proc.stderr
+    assert "Traceback" not in proc.stderr and "Ray:" not in proc.stdout
+    assert not _runs(env["MLFLOW_TRACKING_URI"])[0] and not (tmp_path / "ray_results").exists()
+    assert time.time() - started < 60
+
+
+@pytest.mark.parametrize("address, words", [("127.0.0.1:1", ["no Ray cluster answers", "127.0.0.1:1"]),
+                                            ("ray://127.0.0.1:10001", ["Ray Client", "RAY_ADDRESS"])])
+def test_unreachable_or_ray_client_address_fails_fast_and_clearly(tmp_path, address, words):
+    env, db = _store(tmp_path)
+    started = time.time()
+    proc = subprocess.run(_sweep_args(SPACES / "fedavg.yaml", tmp_path, "--smoke", "--address", address),
+                          capture_output=True, text=True, env=dict(os.environ, **env), timeout=120)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert all(w in proc.stderr for w in words), proc.stderr
+    assert time.time() - started < 30 + 15  # the address check, plus loading the smoke data
+
+
+def test_driver_without_token_mode_connects_with_the_token_it_finds(ray_cluster, tmp_path):
+    env, db = _store(tmp_path)
+    env["RAY_ADDRESS"] = ray_cluster.address
+    env_no_mode = {k: v for k, v in ray_cluster.env.items() if k != "RAY_AUTH_MODE"}
+    cluster = type(ray_cluster)(ray_cluster.prefix, ray_cluster.address, env_no_mode)
+    code, out = cluster.run(_sweep_args(SPACES / "fedavg.yaml", tmp_path, "--smoke", "--num-samples", "1"), env)
+    assert code == 0, out[-4000:]
+    assert "cluster at" in out
+
+
+def _wait_for_children(proc, db, uri, finished_at_least=1, started_at_least=2, timeout=300):
+    deadline = time.time() + timeout
     while time.time() < deadline and proc.poll() is None:
         time.sleep(2)
         if db.exists():
@@ -272,28 +326,78 @@ def test_interrupted_sweep_resumes_without_losing_or_duplicating_runs(ray_cluste
             except Exception:
                 continue
             finished = sum(c.info.status == "FINISHED" for c in children)
-            if finished >= 1 and len(children) >= 2:
-                break
-    assert proc.poll() is None, "the sweep ended before it could be interrupted"
-    proc.send_signal(signal.SIGINT)
+            if finished >= finished_at_least and len(children) >= started_at_least:
+                return
+    if proc.poll() is not None:
+        out = proc.stdout.read() if proc.stdout else ""
+        raise AssertionError(f"the sweep ended (exit {proc.returncode}) before it could be interrupted:\n"
+                             + out[-4000:])
+    raise AssertionError(f"no trial run appeared in MLflow within {timeout} s")
+
+
+def test_interrupted_sweep_resumes_without_losing_or_duplicating_runs(ray_cluster, tmp_path):
+    env, db = _store(tmp_path)
+    env["RAY_ADDRESS"] = ray_cluster.address
+    space = _write(tmp_path, {
+        "base": {"data.source": "digits", "data.num_clients": 6, "federation.rounds": 30,
+                 "federation.clients_per_round": 3, "federation.eval_every": 2, "federation.local_epochs": 1},
+        "fixed": {"method.name": "fedavg"},
+        "search": {"federation.lr": {"type": "grid", "values": [0.02, 0.05, 0.1, 0.2]}},
+        "searcher": "grid", "num_samples": 1, "max_concurrent": 1, "checkpoint_every": 4,
+    })
+    args = _sweep_args(space, tmp_path, "--name", "resumable")
+    proc = ray_cluster.popen(args, env, start_new_session=True)
+    uri = env["MLFLOW_TRACKING_URI"]
+    _wait_for_children(proc, db, uri)
+    os.killpg(proc.pid, signal.SIGINT)        # Ctrl-C: the whole process group
     try:
-        proc.communicate(timeout=120)
+        out, _ = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:
         proc.kill()
-        proc.communicate()
-    _, before, _ = _runs(uri)
+        out, _ = proc.communicate()
+    assert proc.returncode == 130, out[-3000:]
+    assert "resume with:" in out and "--resume" in out and "== best ==" not in out
+    parents, before, mc = _runs(uri)
+    assert parents[0].info.status == "KILLED" and not any(k.startswith("best") for k in parents[0].data.params)
     assert 1 <= sum(c.info.status == "FINISHED" for c in before) < 4
+    assert all(c.info.status in ("FINISHED", "KILLED") for c in before), [c.info.status for c in before]
+    first_wall = parents[0].data.metrics["sweep/wall_s"]
     finished_ids = {c.info.run_id for c in before if c.info.status == "FINISHED"}
     code, out = ray_cluster.run(args + ["--resume"], env)
     assert code == 0, out[-4000:]
     parents, after, mc = _runs(uri)
-    assert len(parents) == 1
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
     assert len(after) == 4, [(c.info.run_name, c.info.status) for c in after]
     assert all(c.info.status == "FINISHED" for c in after)
     assert finished_ids <= {c.info.run_id for c in after}
+    assert {c.info.run_name for c in after} == {f"fedavg lr={v:g}" for v in (0.02, 0.05, 0.1, 0.2)}
+    table = pd.read_csv(tmp_path / "ray_results" / "resumable" / "trials.csv")
+    best = table.sort_values("val/acc_mean", ascending=False).iloc[0]
+    assert parents[0].data.params["best.federation.lr"] == str(best["federation.lr"])
+    assert parents[0].data.metrics["sweep/wall_s"] > first_wall
     for child in after:  # every trial ran to its last round, each round logged once
         steps = [m.step for m in mc.get_metric_history(child.info.run_id, "comm/total_bytes")]
         assert sorted(steps) == list(range(1, 31)), sorted(steps)
+
+
+def test_sigterm_stops_a_sweep_like_ctrl_c(ray_cluster, tmp_path):
+    env, db = _store(tmp_path)
+    env["RAY_ADDRESS"] = ray_cluster.address
+    space = _write(tmp_path, {
+        "base": {"data.source": "digits", "data.num_clients": 6, "federation.rounds": 40,
+                 "federation.clients_per_round": 3, "federation.eval_every": 4, "federation.local_epochs": 1},
+        "fixed": {"method.name": "fedavg"},
+        "search": {"federation.lr": {"type": "grid", "values": [0.05, 0.1, 0.2]}},
+        "searcher": "grid", "num_samples": 1, "max_concurrent": 1,
+    })
+    proc = ray_cluster.popen(_sweep_args(space, tmp_path), env)
+    _wait_for_children(proc, db, env["MLFLOW_TRACKING_URI"], finished_at_least=0, started_at_least=1)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 143, out[-3000:]
+    parents, children, _ = _runs(env["MLFLOW_TRACKING_URI"])
+    assert parents[0].info.status == "KILLED"
+    assert all(c.info.status in ("FINISHED", "KILLED") for c in children)
 
 
 def test_tune_fpfc_smoke_logs_path_table_and_best_lambda(ray_cluster, tmp_path):
@@ -304,13 +408,19 @@ def test_tune_fpfc_smoke_logs_path_table_and_best_lambda(ray_cluster, tmp_path):
     code, out = ray_cluster.run([sys.executable, str(ROOT / "pipelines" / "tune_fpfc.py"), "--smoke",
                                  "--storage", str(tmp_path / "ray_results")], env, timeout=900)
     assert code == 0, out[-4000:]
-    printed = float(re.search(r"best λ = ([0-9.]+)", out).group(1))
+    flat = " ".join(out.split())  # the explanation is wrapped to the terminal
+    printed = float(re.search(r"λ = ([0-9.]+) had the best validation accuracy and was continued", flat).group(1))
+    assert "columns:" in out and "Trial status" not in out
+    # progress: trials identified by what they try, stage ends announced
+    assert re.search(r"\] warmup path [^:]*: round \d+ .*stage λ=[0-9.]+ ended", out), out[-3000:]
     mc = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
     runs = [r for e in mc.search_experiments() for r in mc.search_runs([e.experiment_id])]
     top = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     assert len(top) == 1
     top = top[0]
-    assert float(top.data.params["best.lambda"]) == printed
+    assert float(top.data.tags["selected_lambda.warmup"]) == printed
+    separate = float(re.search(r"separate: every λ of the grid .*? λ = ([0-9.]+) had the best final", flat).group(1))
+    assert float(top.data.tags["selected_lambda.separate"]) == separate
     sweeps = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == top.info.run_id]
     assert {r.data.tags["pfl.strategy"] for r in sweeps} == {"warmup", "separate"}
     trials = [r for r in runs if r.data.tags.get("mlflow.parentRunId") in {s.info.run_id for s in sweeps}]
@@ -327,7 +437,8 @@ def test_tune_fpfc_smoke_logs_path_table_and_best_lambda(ray_cluster, tmp_path):
     assert len(playoff) == 2 and set(playoff.values()) <= set(lambdas)
     assert playoff[max(played, key=played.get)] == printed
     top_artifacts = {a.path for a in mc.list_artifacts(top.info.run_id)}
-    assert {"strategies.parquet", "lambda_path.png"} <= top_artifacts
+    assert {"strategies.parquet", "strategies.md"} <= top_artifacts
+    assert "plots/lambda_path.png" in {a.path for a in mc.list_artifacts(top.info.run_id, "plots")}
     for sweep in sweeps:
         assert "trials.parquet" in {a.path for a in mc.list_artifacts(sweep.info.run_id)}
     assert "plots" in {a.path for a in mc.list_artifacts(warm_trials[0].info.run_id)}

@@ -96,12 +96,21 @@ class MLflowLogger(Callback):
         self.run_id = self.tracker.run_id
         if not self.tracker.enabled:
             return
-        self.tracker.log_params(config_params(sim.cfg))
+        steered = self._steered(loop)
+        self.tracker.log_params({k: v for k, v in config_params(sim.cfg).items() if k not in steered})
         self.tracker.set_tags({"pfl.method": sim.cfg.method.name, "pfl.source": sim.cfg.data.source})
-        self.logged_until = self.tracker.last_step("time/elapsed_s") if sim.executed else 0
+        # a reopened run holds the rounds logged before the interruption; a restart recomputes them
+        # identically (from its checkpoint, or from scratch when it had none), so they are skipped
+        self.logged_until = self.tracker.last_step("time/elapsed_s") if self.tracker.resumed else 0
         if self.announce:
             self.announce(f"MLflow run {self.run_id} ({sim.cfg.method.name} on {sim.cfg.data.source}, "
                           f"{sim.num_clients} clients, {sim.cfg.federation.rounds} rounds)")
+
+    @staticmethod
+    def _steered(loop) -> set[str]:
+        """Config keys a callback changes during the run (the λ path's λ and round count): logged
+        at the end with the values the run finished with, so every param is one the run used."""
+        return {k for cb in loop.callbacks for k in getattr(cb, "steered_keys", ())}
 
     def on_round(self, loop, metrics: dict[str, float]) -> None:
         step = int(metrics["step"])
@@ -113,6 +122,9 @@ class MLflowLogger(Callback):
         if not self.tracker.enabled:
             return
         if result.status == "FINISHED" and result.clean:
+            config = config_params(loop.sim.cfg)
+            reported = {k: v for cb in loop.callbacks for k, v in getattr(cb, "final_params", dict)().items()}
+            self.tracker.log_params({**{k: config[k] for k in self._steered(loop) if k in config}, **reported})
             self.tracker.log_metrics(loop.summary, step=loop.sim.executed)
             with tempfile.TemporaryDirectory() as tmp:
                 out = Path(tmp)

@@ -8,6 +8,7 @@ gzip-compressed; torchvision keeps an uncompressed copy next to them. Both are r
 from __future__ import annotations
 
 import gzip
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,12 @@ _GZIP_MAGIC = b"\x1f\x8b"
 def _read_bytes(path: Path) -> bytes:
     raw = path.read_bytes()
     # decide by content rather than by name: some mirrors serve uncompressed files named *.gz
-    return gzip.decompress(raw) if raw[:2] == _GZIP_MAGIC else raw
+    if raw[:2] != _GZIP_MAGIC:
+        return raw
+    try:
+        return gzip.decompress(raw)
+    except (EOFError, OSError, zlib.error) as err:  # a cut-off download, a damaged copy
+        raise ValueError(f"{path} is truncated or corrupt ({len(raw)} bytes; gzip: {err})") from None
 
 
 def read_idx(path: str | Path) -> np.ndarray:

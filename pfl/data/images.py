@@ -152,11 +152,15 @@ def load_idx_pair(name: str, data_dir: str | None, download: bool) -> tuple[np.n
     files = locate(name, data_dir, download)
     xs, ys = [], []
     for part in ("train", "t10k"):
-        x = read_idx(files[f"{part}-images-idx3-ubyte"])
-        y = read_idx(files[f"{part}-labels-idx1-ubyte"])
+        try:
+            x = read_idx(files[f"{part}-images-idx3-ubyte"])
+            y = read_idx(files[f"{part}-labels-idx1-ubyte"])
+        except ValueError as err:
+            raise ConfigError("data.source", f"{name}: {err}; replace the file (or point "
+                                             "data.params.data_dir / $PFL_DATA_DIR at intact files)") from None
         if x.ndim != 3 or y.ndim != 1 or len(x) != len(y):
-            raise ValueError(f"{files[f'{part}-images-idx3-ubyte']}: expected (N, H, W) images and N labels, "
-                             f"got {x.shape} and {y.shape}")
+            raise ConfigError("data.source", f"{files[f'{part}-images-idx3-ubyte']}: expected (N, H, W) images "
+                                             f"and N labels, got {x.shape} and {y.shape}")
         xs.append(x)
         ys.append(y)
     return np.concatenate(xs), np.concatenate(ys).astype(np.int64)

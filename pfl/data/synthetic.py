@@ -1,6 +1,6 @@
 """The FPFC paper's synthetic federations, generated locally from a generator seed.
 
-``fpfc_synthetic`` (clustered multinomial-logistic data, spec fpfc.md §5.1). With m devices and K
+``fpfc_synthetic`` (clustered multinomial-logistic data, docs/methods/fpfc.md §5.1). With m devices and K
 clusters, device i belongs to cluster ⌊i·K/m⌋ (contiguous blocks). Everything is drawn from one
 legacy ``numpy.random.RandomState(gen_seed)``, in the order of the official generator, so that
 ``gen_seed = 0`` reproduces the paper's data:
@@ -51,7 +51,7 @@ def lognormal_sizes(rs: np.random.RandomState, num_devices: int, size_scale: flo
 
 @dataclass
 class FPFCSyntheticParams:
-    """Clustered softmax-regression devices of the FPFC paper (spec fpfc.md §5.1)."""
+    """Clustered softmax-regression devices of the FPFC paper (docs/methods/fpfc.md §5.1)."""
     num_features: int = hp(60, "input dimension d", low=1)
     num_classes: int = hp(10, "number of classes C", low=2)
     num_clusters: int = hp(4, "number of true clusters K (device i is in cluster ⌊i·K/m⌋)", low=1)

@@ -1,6 +1,6 @@
 """Simulated wall clock: device delays, and an event-driven (asynchronous) simulator.
 
-The delay model (spec fpfc.md §7, our reading; the paper's is unverified): device i has a speed
+The delay model (docs/methods/fpfc.md §7, our reading; the paper's is unverified): device i has a speed
 s_i ~ LogNormal(0, σ) drawn once per run; one local update of device i takes
 
     τ_i = c · work_i / s_i + latency,   latency ~ Exp(mean ``latency``)

@@ -2,7 +2,7 @@
 
 The attacks of the FPFC paper's robustness experiment (§6.4.1, Fig. 7, App. E.2), whose definitions
 and noise levels come from its reference [37] (Lin, Han, Li, Zhang, NeurIPS 2022; their code's
-``robust_server.py``), spec fpfc.md §8. A malicious client b, instead of its upload u_b, sends
+``robust_server.py``), docs/methods/fpfc.md §8. A malicious client b, instead of its upload u_b, sends
 (fresh randomness for every upload):
 
 * ``same_value``: c·1, one scalar c ~ N(0, σ²) per upload (σ = ``attack.same_value_std``, 100);
@@ -27,7 +27,16 @@ client may send any basis: the attack rewrites it like a model). A method whose 
 model content at all (PerFed-CKT: public-set logits) declares ``attackable_uplink = False`` and a
 config that attacks it is refused (``attack.kind``). Structured payloads (an ``Encoded`` compressed
 vector, a ``LowRank`` factor pair) are not rewritten: attacks do not combine with uplink
-compression, and meeting one raises a ConfigError naming ``attack.kind``.
+compression — :func:`pfl.config.resolve` refuses ``compression.uplink`` and the methods that encode
+their own uplink (``compresses_uplink``: DIANA, MARINA, LAG) before any training, and meeting such a
+payload anyway raises a ConfigError naming ``attack.kind``. (Supporting them would mean attacking
+before the client's encoding, in ``Simulator.client_step``: an attacker that sends a well-formed
+compressed message; not done.)
+
+Cohorts: the sequential and the vectorized path (``federation.cohort``) both deliver every client's
+upload separately through :meth:`Simulator.deliver`, so the attack needs no fallback — the attacked
+uploads are the same seeded draws and the benign ones agree up to float rounding (tested). The
+newcomers' join phase always runs its clients one after another.
 
 ``attack.scope: head`` rewrites only the tensors of the model's head (its last layer, by
 :func:`pfl.models.layer_groups`; an entry ``prefix/name`` counts by its ``name``): the FPFC paper

@@ -1,6 +1,6 @@
 """Newcomers: clients held out of training that join the federation after its last round.
 
-The FPFC paper's generalisation experiment (§6.4.2, Table 3; spec fpfc.md §8): round(m·f) clients
+The FPFC paper's generalisation experiment (§6.4.2, Table 3; docs/methods/fpfc.md §8): round(m·f) clients
 (``newcomers.fraction`` = f, drawn once from the run's seed by :func:`newcomer_clients`) take no
 part in training — the simulator samples only the other clients, evaluates only them, and a
 method's server sizes its federation by them (``ctx.members``). After the last round
@@ -18,7 +18,8 @@ method's rule, through the method's join hooks (:mod:`pfl.methods.base`):
 with ``rnd`` = the round after the last training round + ``step`` (it seeds the generators and sets
 the learning rate, which continues its schedule). Every message is delivered through the simulator,
 so it is copied, transformed (an attacker's join uploads are attacked too) and counted, booked apart
-from training as ``comm/join_up_bytes`` / ``comm/join_down_bytes``. Then every client is evaluated
+from training as ``comm/join_up_bytes`` / ``comm/join_down_bytes``; ``compression.*`` acts on training
+traffic only, so join messages travel dense. Then every client is evaluated
 once more (the newcomers with their method's evaluation message) and the metrics are:
 
 * ``newcomer/acc_mean``, ``newcomer/acc_std`` (``newcomer/rmse_mean`` for regression) — the

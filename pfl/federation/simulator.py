@@ -32,6 +32,7 @@ from ..config import ExperimentConfig
 from ..evaluation import evaluate_plan, summarize
 from ..methods import ClientHandle, EvalPlan, Method, get_method
 from ..schema import ConfigError, flatten, from_dict, to_dict
+from ..training import Params
 from .comm import CommLedger
 from .context import FederationMeta, RunContext
 from .messages import Message
@@ -130,6 +131,13 @@ class Simulator:
         from .transforms import build_transforms
 
         self.transforms = list(transforms or []) + build_transforms(cfg, self.ctx)
+        # auto batches only on a GPU: on CPU the batched cohort measured no faster than the loop,
+        # for training and evaluation alike (pipelines/bench_cohort.py)
+        self.vectorized = fed.cohort == "vectorized" or (
+            fed.cohort == "auto" and method_cls.cohort == "vectorized" and self.device.type == "cuda")
+        from ..compression import Codec
+
+        self.codec = Codec(cfg.compression, self.ctx, self.method)  # compression.* (a no-op when none)
         self.ledger = CommLedger()
         self.round = 0       # the lineage's next round
         self.executed = 0    # rounds computed by this run
@@ -195,20 +203,58 @@ class Simulator:
         return sorted(members[int(i)] for i in rng.choice(m, size=k, replace=False))
 
     def deliver(self, msg: Message | None, direction: str, rnd: int, cid: int) -> Message | None:
-        """The receiver's copy of ``msg`` after the transforms, counted by the ledger."""
+        """The receiver's copy of ``msg`` after the transforms, counted by the ledger (a training
+        downlink encoded by ``compression.downlink`` first, so its encoded size is what counts)."""
         if msg is None:
             return None
         msg = msg.copy()
         for transform in self.transforms:
             msg = transform(msg, direction, rnd, cid)
+        if direction == "down":
+            msg = self.codec.encode_down(msg, rnd, cid)
         self.ledger.record(msg, direction)
         return msg
 
     def client_step(self, rnd: int, cid: int, down: Message | None) -> Message | None:
-        """Client ``cid``'s side of round ``rnd``: its delivered reply (None: it sent nothing)."""
+        """Client ``cid``'s side of round ``rnd``: its delivered reply (None: it sent nothing).
+
+        Compression (:mod:`pfl.compression.codec`) acts here, on each side of the wire: the client
+        decodes a compressed downlink with its replicas and encodes its reply as the update of what
+        it received (with its error-feedback memory, both in its own state); the reply is delivered
+        and counted encoded, and the server reconstructs it from its own record of what it sent
+        before ``aggregate`` sees it.
+        """
+        sent = self.codec.server_view(down, cid) if self.codec.up is not None else None
         with self._as_client(cid) as client:
-            reply = self.client_role.local_update(rnd, client, down)
-        return self.deliver(reply, "up", rnd, cid)
+            reply = self._client_side(rnd, client, down)
+        return self._server_receives(rnd, cid, reply, sent)
+
+    def _client_side(self, rnd: int, client: ClientHandle, down: Message | None) -> Message | None:
+        codec = self.codec
+        down = codec.decode_down(down, client)
+        received = None
+        if codec.up is not None and down is not None:
+            received = {k: v.detach().clone() for k, v in down.tensors().items()}  # the client's own record
+        reply = self.client_role.local_update(rnd, client, down)
+        return codec.encode_up(reply, rnd, client, received, self.client_role)
+
+    def _server_receives(self, rnd: int, cid: int, reply: Message | None, sent: Params | None) -> Message | None:
+        return self.codec.decode_up(self.deliver(reply, "up", rnd, cid), rnd, sent, self.method)
+
+    def as_cohort(self, cids: list[int], step: Callable[[ClientHandle], Any]) -> dict[int, Any]:
+        """``step(client)`` for every client of ``cids``, their training and evaluation requests
+        batched (``federation.cohort_chunk`` clients at a time); each client's new state is kept."""
+        from .cohort import Cohort, chunks
+
+        out: dict[int, Any] = {}
+        cohort = Cohort()
+        for part in chunks(cids, self.cfg.federation.cohort_chunk):
+            handles = [self.client(cid) for cid in part]
+            results = cohort.run(handles, [lambda h=h: step(h) for h in handles])
+            for cid, handle, result in zip(part, handles, results):
+                self.client_states[cid] = to_device(handle.state, self.state_device)
+                out[cid] = result
+        return out
 
     # ---- one round -----------------------------------------------------------------------------
     def run_round(self, evaluate: bool | None = None) -> dict[str, float]:
@@ -220,9 +266,19 @@ class Simulator:
         self.method.begin_round(rnd, sampled)
         replies: dict[int, Message] = {}
         losses = []
+        if self.vectorized:
+            downs = {cid: self.deliver(self.method.broadcast(rnd, cid), "down", rnd, cid) for cid in sampled}
+            views = {cid: self.codec.server_view(downs[cid], cid) if self.codec.up is not None else None
+                     for cid in sampled}
+            raw = self.as_cohort(sampled, lambda c: self._client_side(rnd, c, downs[c.cid]))
+            sent = {cid: self._server_receives(rnd, cid, raw[cid], views[cid]) for cid in sampled}
+        else:
+            sent = {}
+            for cid in sampled:
+                down = self.deliver(self.method.broadcast(rnd, cid), "down", rnd, cid)
+                sent[cid] = self.client_step(rnd, cid, down)
         for cid in sampled:
-            down = self.deliver(self.method.broadcast(rnd, cid), "down", rnd, cid)
-            reply = self.client_step(rnd, cid, down)
+            reply = sent[cid]
             if reply is not None:
                 replies[cid] = reply
                 if "train_loss" in reply.info:
@@ -246,6 +302,7 @@ class Simulator:
         if self.is_eval_round(rnd) if evaluate is None else evaluate:
             metrics.update(self.evaluate(final=self.round >= self.cfg.federation.rounds))
         metrics.update(self.ledger.metrics())
+        metrics.update(self.codec.metrics())
         metrics.update(extra or {})
         metrics["time/elapsed_s"] = self.elapsed
         self.history.append(metrics)
@@ -272,9 +329,21 @@ class Simulator:
         self.method.begin_eval(rnd, final)
         task, with_global = self.data.task, self.cfg.federation.eval_global
         rows, replies = [], {}
-        for cid in self.evaluation_clients():
-            _, reply, row = self._eval_exchange(
-                rnd, cid, lambda client, plan: evaluate_plan(client, plan, task, with_global))
+        cids = self.evaluation_clients()  # the members (and the newcomers once they joined)
+        if self.vectorized:
+            msgs = {cid: self.deliver(self.method.eval_message(rnd, cid), "eval_down", rnd, cid) for cid in cids}
+
+            def plan_and_row(client: ClientHandle):
+                plan = self.client_role.eval_plan(rnd, client, msgs[client.cid])
+                return plan, evaluate_plan(client, plan, task, with_global)
+
+            done = self.as_cohort(cids, plan_and_row)
+            exchanged = [(self.deliver(done[cid][0].reply, "eval_up", rnd, cid), done[cid][1]) for cid in cids]
+        else:
+            exchanged = [self._eval_exchange(rnd, cid, lambda client, plan: evaluate_plan(client, plan, task,
+                                                                                       with_global))[1:]
+                         for cid in cids]
+        for cid, (reply, row) in zip(cids, exchanged):
             if reply is not None:
                 replies[cid] = reply
             rows.append(self._mark(row))
@@ -372,9 +441,13 @@ class Simulator:
     # ---- state ---------------------------------------------------------------------------------
     def model_state(self) -> dict:
         """What a model lineage is: its round, hyperparameters, server state and client states."""
-        return {"round": self.round, "hparams": to_dict(self.method.hp),
-                "server": self.method.server_state(), "clients": self.client_states,
-                "newcomers": {"joined": self.newcomers_joined, "result": self.join_result}}
+        state = {"round": self.round, "hparams": to_dict(self.method.hp),
+                 "server": self.method.server_state(), "clients": self.client_states,
+                 "newcomers": {"joined": self.newcomers_joined, "result": self.join_result}}
+        codec = self.codec.state_dict()
+        if codec:  # the server's downlink mirrors (compression.downlink)
+            state["codec"] = codec
+        return state
 
     def load_model_state(self, state: dict) -> None:
         self.round = int(state["round"])
@@ -386,6 +459,7 @@ class Simulator:
         join = state.get("newcomers") or {}
         self.newcomers_joined = bool(join.get("joined", False))
         self.join_result = join.get("result")
+        self.codec.load_state_dict(to_device(state.get("codec", {}), self.device))
 
     def snapshot(self) -> dict:
         """A copy of the model state that later rounds cannot change (restore with :meth:`restore`)."""

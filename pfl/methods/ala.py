@@ -25,7 +25,7 @@ any base method with a start hook (``fedavg+ala``, ``fedprox+ala``, ``fedavg_ft+
 * ``personal_start(client, received)`` (Ditto): ALA(global = received, local = whatever the base
   hook returns, i.e. the personal model v_i); the global-copy training is untouched.
 
-Decisions where the spec is silent or leaves a choice (see specs/fedala.md):
+Decisions where the spec is silent or leaves a choice (see docs/methods/fedala.md):
 
 * p counts layer units of ``pfl.models.layer_groups`` (``p_unit=units``, default) or parameter tensors
   from the top (``p_unit=tensors``, the reference code's ``layer_idx``); p = 0 means all, as in the code.
@@ -405,6 +405,7 @@ def compose(base: type[Method]) -> type[Method]:
         "Hparams": _merged_hparams(base.Hparams),
         "description": f"{base.description or base.name} + adaptive local aggregation (FedALA)",
         "_ala_base_personal": base.personal_params,
+        "metric_names": tuple(base.metric_names) + ("ala/*",),
     }
     return type(f"{base.__name__}ALA", (mixin, base), attrs)
 

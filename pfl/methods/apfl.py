@@ -24,14 +24,13 @@ sampled are evaluated with that start.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch.func import functional_call
 
 from ..federation.messages import Message
 from ..schema import hp
-from ..training import Params, loss_fn
+from ..training import Clamp, Params, Term, per_sample_loss
 from . import register
 from .base import ClientHandle
 from .fedavg import FedAvg, FedAvgHparams
@@ -61,6 +60,44 @@ def mixed_params(v: Params, w: Params, alpha: torch.Tensor | float) -> Params:
     return {k: alpha * v[k] + (1 - alpha) * w[k] for k in w}
 
 
+def mixed_output(model: torch.nn.Module, mix: str, v: Params, w: Params, alpha: torch.Tensor,
+                 x: torch.Tensor) -> torch.Tensor:
+    """Output of the personal mixture for inputs x: a mixture of parameters or of logits."""
+    if mix == "params":
+        return functional_call(model, mixed_params(v, w, alpha), (x,))
+    return alpha * functional_call(model, v, (x,)) + (1 - alpha) * functional_call(model, w, (x,))
+
+
+@dataclass
+class APFLLoss(Term):
+    """Per-sample f(w) + f(v̄) with v̄ = α v + (1 − α)·stop_grad(w): one backward pass gives ∇f(w),
+    α∇f(v̄) and ⟨v − w, ∇f(v̄)⟩, the three simultaneous APFL updates (module docstring)."""
+    model: torch.nn.Module
+    mix: str
+    task: str
+
+    def __call__(self, params: Params, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        crit = per_sample_loss(self.task)
+        w = _part(params, _W)
+        w_fixed = {k: t.detach() for k, t in w.items()}
+        own = crit(functional_call(self.model, w, (x,)), y)
+        return own + crit(mixed_output(self.model, self.mix, _part(params, _V), w_fixed, params[_A], x), y)
+
+
+@dataclass
+class AlphaGradient(Term):
+    """α's step: scale·(∂ + c·α), minus the loop's weight decay on α (a mixing weight is not a weight)."""
+    scale: float
+    l2: float
+    weight_decay: float
+
+    def __call__(self, grads: Params, params: Params) -> Params:
+        if _A in grads:
+            a = params[_A].detach()
+            grads = dict(grads, **{_A: self.scale * (grads[_A] + self.l2 * a) - self.weight_decay * a})
+        return grads
+
+
 @register
 class APFL(FedAvg):
     name = "apfl"
@@ -77,52 +114,20 @@ class APFL(FedAvg):
             alpha = torch.tensor(float(self.hp.alpha), device=self.ctx.device)
         return alpha
 
-    def _mixed_forward(self, model: torch.nn.Module) -> Callable[[Params, Params, torch.Tensor, torch.Tensor], torch.Tensor]:
-        """Output of the personal mixture for inputs x: (v, w, α, x) -> logits."""
-        if self.hp.mix == "params":
-            return lambda v, w, a, x: functional_call(model, mixed_params(v, w, a), (x,))
-        return lambda v, w, a, x: (a * functional_call(model, v, (x,))
-                                   + (1 - a) * functional_call(model, w, (x,)))
-
     def local_update(self, rnd: int, client: ClientHandle, msg: Message | None) -> Message:
         received = msg.tensors()
         hp_ = self.hp
         lr = self.ctx.lr(rnd)
-        x, y = client.data.x_train, client.data.y_train
-        model, criterion = client.model, loss_fn(self.ctx.meta.task)
-        mixed = self._mixed_forward(model)
         start = self.start_params(client, received)
         v = client.state.get("v", self.init)
         state = {**{_W + k: t for k, t in start.items()}, **{_V + k: t for k, t in v.items()},
                  _A: self.client_alpha(client).clone()}
         trainable = [k for k in state if k != _A] + ([_A] if hp_.adaptive else [])
-        batch: dict[str, torch.Tensor] = {}
-
-        def forward(params: Params, idx: torch.Tensor) -> torch.Tensor:
-            batch["idx"] = idx  # the loop feeds indices; the extra loss reuses the same minibatch
-            return functional_call(model, _part(params, _W), (x[idx],))
-
-        def mixture_loss(params: Params) -> torch.Tensor:
-            idx = batch["idx"]
-            w_fixed = {k: t.detach() for k, t in _part(params, _W).items()}
-            return criterion(mixed(_part(params, _V), w_fixed, params[_A], x[idx]), y[idx])
-
         wd = self.ctx.cfg.federation.weight_decay
-        alpha_scale = (hp_.alpha_lr or lr) / lr
-
-        def alpha_step(grads: Params, params: Params) -> Params:
-            if _A in grads:
-                a = params[_A].detach()
-                # the loop adds weight decay to every trainable; α is a mixing weight, so cancel it
-                grads[_A] = alpha_scale * (grads[_A] + hp_.alpha_l2 * a) - wd * a
-            return grads
-
-        def clip_alpha(params: Params) -> None:
-            params[_A].clamp_(0.0, 1.0)
-
-        indices = torch.arange(len(y), device=x.device)
-        result = client.train(state, rnd, x=indices, y=y, lr=lr, trainable=trainable, forward=forward,
-                              extra_loss=mixture_loss, grad_hook=alpha_step, post_step=clip_alpha)
+        result = client.train(state, rnd, lr=lr, trainable=trainable,
+                              loss=APFLLoss(client.model, hp_.mix, self.ctx.meta.task),
+                              grad_hook=AlphaGradient((hp_.alpha_lr or lr) / lr, hp_.alpha_l2, wd),
+                              post_step=Clamp((_A,), 0.0, 1.0))
         out = result.params
         client.state["v"] = _part(out, _V)
         client.state["alpha"] = out[_A].detach().clone()
@@ -137,5 +142,5 @@ class APFL(FedAvg):
     def eval_forward(self, client: ClientHandle):
         if self.hp.mix == "params":
             return None
-        mixed = self._mixed_forward(client.model)
-        return lambda p, xb: mixed(_part(p, _V), _part(p, _W), p[_A], xb)
+        model = client.model
+        return lambda p, xb: mixed_output(model, "logits", _part(p, _V), _part(p, _W), p[_A], xb)

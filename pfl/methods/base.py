@@ -18,7 +18,7 @@ A method class is instantiated twice per run, once for each side of the wire
   generators, and the delivered message) → (reply, new ``client.state``). It cannot read the
   server's state (there is none on its object) nor another client's (the handle holds one client).
 * **newcomers** (``newcomers.fraction`` > 0: clients held out of training join after the last
-  round, spec fpfc.md §8) — server side :meth:`join_begin`, :meth:`join_active`,
+  round, docs/methods/fpfc.md §8) — server side :meth:`join_begin`, :meth:`join_active`,
   :meth:`join_message`, :meth:`join_aggregate`; client side :meth:`join_update`. The default rule
   needs no join step: a newcomer is evaluated with what :meth:`eval_message` sends (FedAvg: the
   final global model; IFCA: the K models, of which it picks the lowest-loss one). Methods with
@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar
 import torch
 
 from ..federation.messages import Message
-from ..training import Params, TrainResult, local_sgd
+from ..training import EvalResult, Params, TrainResult, evaluate, local_sgd
 
 if TYPE_CHECKING:
     from ..data import ClientData
@@ -64,6 +64,10 @@ class ClientHandle:
         self.state = state
         self.ctx = ctx
         self.model = model
+        # where training and evaluation requests go: computed here, or by a cohort that runs many
+        # clients' requests as one batched computation (pfl.federation.cohort)
+        self.run_training: Callable[..., TrainResult] = local_sgd
+        self.run_evaluation: Callable[..., EvalResult] = evaluate
 
     @property
     def n_train(self) -> int:
@@ -86,9 +90,13 @@ class ClientHandle:
             task=self.ctx.meta.task, generator=self.generator(rnd, tag),
         )
         kwargs.update(overrides)
-        return local_sgd(self.model, params,
-                         self.data.x_train if x is None else x,
-                         self.data.y_train if y is None else y, **kwargs)
+        return self.run_training(self.model, params, self.data.x_train if x is None else x,
+                                 self.data.y_train if y is None else y, **kwargs)
+
+    def evaluate(self, params: Params, x: torch.Tensor, y: torch.Tensor,
+                 forward: Callable[[Params, torch.Tensor], torch.Tensor] | None = None) -> EvalResult:
+        """Mean loss and accuracy of ``params`` on (x, y) of this client (the one evaluation routine)."""
+        return self.run_evaluation(self.model, params, x, y, self.ctx.meta.task, forward=forward)
 
 
 @dataclass
@@ -115,6 +123,16 @@ class Method:
     uplink_note: ClassVar[str] = "model parameters"
     # one line: how a newcomer joins after training (README, pipelines/newcomers.py)
     newcomer_rule: ClassVar[str] = "evaluated with what the server sends for evaluation"
+    #: how ``federation.cohort: auto`` runs its clients: "vectorized" (their training and evaluation
+    #: requests batched, pfl.federation.cohort) or "sequential" (hooks with data-dependent control
+    #: flow, e.g. Per-FedAvg's extra minibatches, PerFed-CKT's public-set batches)
+    cohort: ClassVar[str] = "vectorized"
+    #: metrics ``extra_metrics`` may report (``*`` matches any tail), checked by sweeps before Ray starts
+    metric_names: ClassVar[tuple[str, ...]] = ()
+    #: "" — the simulator's codec compresses this method's uplink (``compression.uplink``);
+    #: "unbiased" / "any" — the method compresses inside its own protocol (DIANA, MARINA, LAG) with
+    #: the compressor ``compression.uplink`` names, which must be unbiased / may be any
+    compresses_uplink: ClassVar[str] = ""
 
     def __init__(self, hparams: Any, ctx: "RunContext"):
         self.hp = hparams
@@ -189,6 +207,17 @@ class Method:
         """Write method-specific artifacts (tables, plots) at the end of a run; return paths."""
         return []
 
+    def update_reference(self, rnd: int, received: Params | None, reply: Message) -> Params:
+        """For uplink compression: the tensor each uplink entry is an update of (both sides call it,
+        the client with what it decoded from the downlink, the server with its record of that).
+
+        Default: the downlink tensor of the same name (FedAvg's trained model is compressed as
+        trained − received); entries without one are compressed as values (SCAFFOLD's Δy, Δc).
+        """
+        if not received:
+            return {}
+        return {k: received[k] for k in reply.entries if k in received}
+
     def cluster_assignment(self) -> dict[int, int] | None:
         """Clustered methods: the cluster each client in the federation is in now (None: no clusters)."""
         return None
@@ -258,7 +287,7 @@ def hparams_dict(hp: Any) -> dict[str, Any]:
 
 
 class FineTuneNewcomers:
-    """Newcomer rule "fine-tune the final global model" (spec fpfc.md §8: LG and Per-FedAvg).
+    """Newcomer rule "fine-tune the final global model" (docs/methods/fpfc.md §8: LG and Per-FedAvg).
 
     Join step 0 sends the server's ``global_model`` (every tensor); the newcomer trains it with the
     shared local-SGD loop for one local update per join step (``newcomers.finetune_rounds`` of them)

@@ -14,7 +14,7 @@ cluster with one model). A sampled client trains from its cluster's model and re
 * Every cluster then adds the mean update of its participants (unweighted, as the reference;
   ``weighting: samples`` weights by training-set size).
 
-Newcomers (clients that join after training, spec fpfc.md §8 "CFL ... as their paper"): the server
+Newcomers (clients that join after training, docs/methods/fpfc.md §8 "CFL ... as their paper"): the server
 keeps, for every split, the cluster's model before the split and the mean unit updates of its two
 sides. A newcomer starts at the root: it receives the cached pre-split model, trains from it, sends
 its update, and the server moves it to the side whose mean update is closest in cosine — the tree
@@ -125,6 +125,7 @@ class CFL(Method):
     name = "cfl"
     Hparams = CFLHparams
     description = "Clustered FL by recursive bipartitioning on update similarity (Sattler et al. 2020)"
+    metric_names = ("cluster/num", "cluster/ari", "cfl/mean_norm", "cfl/max_norm")
 
     def setup(self) -> None:
         self.clusters: list[list[int]] = [list(self.ctx.members)]

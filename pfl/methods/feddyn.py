@@ -24,12 +24,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 
 from ..aggregation import weighted_average, zeros_like
 from ..federation.messages import Message
 from ..schema import hp
-from ..training import Params
+from ..training import ClipNorm, Params, PullTo, Shift, Terms
 from . import register
 from .base import ClientHandle
 from .fedavg import FedAvg
@@ -55,19 +54,14 @@ class FedDyn(FedAvg):
         self.h: Params = zeros_like(self.global_model)
 
     def train_kwargs(self, client: ClientHandle, received: Params) -> dict[str, Any]:
-        alpha, clip = self.hp.alpha, self.hp.max_grad_norm
+        # ∇f_k(θ) + α(θ − θ^t) − g_k, optionally clipped
+        terms: list = [PullTo(received, self.hp.alpha)]
         g_k = client.state.get("g")
-
-        def dynamic_gradient(grads: Params, params: Params) -> Params:
-            out = {k: g + alpha * (params[k] - received[k]) - (0 if g_k is None else g_k[k])
-                   for k, g in grads.items()}
-            if clip:
-                norm = torch.sqrt(sum((v.float() ** 2).sum() for v in out.values()))
-                if norm > clip:
-                    out = {k: v * (clip / norm) for k, v in out.items()}
-            return out
-
-        return {"grad_hook": dynamic_gradient}
+        if g_k is not None:
+            terms.append(Shift(g_k, -1.0))
+        if self.hp.max_grad_norm:
+            terms.append(ClipNorm(self.hp.max_grad_norm))
+        return {"grad_hook": Terms(terms)}
 
     def local_update(self, rnd: int, client: ClientHandle, msg: Message | None) -> Message:
         received = msg.tensors()

@@ -1,7 +1,7 @@
 """FedSLR: a low-rank global knowledge representation (GKR) plus a sparse personal component.
 
 Huang et al., "Fusion of Global and Local Knowledge for Personalized Federated Learning"
-(TMLR 2023, arXiv:2302.11051); spec /work/shared/specs/fedslr.md.
+(TMLR 2023, arXiv:2302.11051); notes: docs/methods/fedslr.md.
 
 Phase I (the GKR, problem  (1/n) Σ f_i(w) + λ Σ_l ‖R_l(w_l)‖_* ). A sampled client starts from
 the GKR w^t and minimises with the shared local-SGD loop
@@ -63,15 +63,13 @@ import time
 from dataclasses import dataclass
 
 import torch
-from torch.func import functional_call
 
 from .. import lowrank
 from ..aggregation import weighted_average
 from ..federation.messages import Message
 from ..models import layer_groups
-from ..prox import soft_threshold
 from ..schema import ConfigError, hp
-from ..training import Params
+from ..training import AddToParams, Params, PullTo, Shift, SoftThreshold, Terms
 from . import register
 from .base import GLOBAL, ClientHandle, Method
 
@@ -101,6 +99,8 @@ class FedSLR(Method):
     name = "fedslr"
     Hparams = FedSLRHparams
     description = "Low-rank global model (server SVT) + sparse personal part (Huang et al. 2023)"
+    metric_names = ("model/rank_mean", "model/rank_kept_ratio", "model/rank/*", "model/params",
+                    "model/mixed_params", "model/sparsity")
 
     # ---- lifecycle -------------------------------------------------------------------------
     def configure(self) -> None:
@@ -148,10 +148,8 @@ class FedSLR(Method):
         if gamma is None:
             gamma = {k: torch.zeros_like(v) for k, v in received.items()}
         eta, omega = hp_.eta, hp_.weight_decay
-
-        def dual_prox_gradient(grads: Params, w: Params) -> Params:
-            return {k: g + gamma[k] + (w[k] - received[k]) / eta + omega * w[k] for k, g in grads.items()}
-
+        # ∇f_i(w) + γ_i + (w − w^t)/η + ω·w
+        dual_prox_gradient = Terms([Shift(gamma), PullTo(received, 1.0 / eta), PullTo(None, omega)])
         phase1 = client.train(received, rnd, weight_decay=0.0, grad_hook=dual_prox_gradient)
         w_i = phase1.params
         client.state["gamma"] = {k: gamma[k] + (w_i[k] - received[k]) / eta for k in gamma}
@@ -168,19 +166,10 @@ class FedSLR(Method):
 
     def _fuse(self, client: ClientHandle, rnd: int, gkr: Params, p: Params) -> Params:
         """Phase II: proximal SGD on P with the received GKR frozen inside the forward pass."""
-        model = client.model
         kappa = self.ctx.lr(rnd) * self.hp.mu
-
-        def mixed_forward(params: Params, xb: torch.Tensor) -> torch.Tensor:
-            return functional_call(model, {k: gkr[k] + params[k] for k in gkr}, (xb,))
-
-        def l1_prox(params: Params) -> None:
-            for v in params.values():
-                v.copy_(soft_threshold(v, kappa))
-
         return client.train(p, rnd, epochs=self.hp.phase2_epochs, steps=None,
-                            weight_decay=self.hp.phase2_weight_decay, forward=mixed_forward,
-                            post_step=l1_prox if kappa > 0 else None, tag="phase2").params
+                            weight_decay=self.hp.phase2_weight_decay, forward=AddToParams(client.model, gkr),
+                            post_step=SoftThreshold(kappa) if kappa > 0 else None, tag="phase2").params
 
     def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
         if not replies:

@@ -1,7 +1,7 @@
 """FPFC: clustered FL by nonconvex pairwise fusion, solved by inexact partial-participation ADMM.
 
 Yu, Liu, Wang, Sun, "Clustered Federated Learning based on Nonconvex Pairwise Fusion" (Information
-Sciences 2024); spec /work/shared/specs/fpfc.md (§ numbers below refer to it).
+Sciences 2024); notes: docs/methods/fpfc.md (§ numbers below refer to it).
 
 Every device i keeps its own model w_i (the clustered block, p values). The server keeps, for every
 pair, θ_ij ≈ w_i − w_j and its scaled dual v_ij, as dense antisymmetric (m, m, p) tensors, and the
@@ -59,7 +59,7 @@ Decisions where the spec is silent or leaves a choice (``[ours]``):
   ‖θ_ij‖), the one whose partition has the best silhouette on ‖θ_ij‖, falling back to ν when no cut
   scores above 0.25. It is for settings where no pair fuses exactly and a fixed ν has only a narrow,
   drifting window: FMNIST label swap at λ = 0.4 (all pairs in SCAD's soft-threshold region; the
-  official code has no read-out there, spec §2.7 Q6), used by ``pipelines/reproduce_fpfc.py
+  official code has no read-out there, docs/methods/fpfc.md §2.7 Q6), used by ``pipelines/reproduce_fpfc.py
   --scenario fmnist_labelswap``. Where pairs do fuse (S1) keep the fixed ν: the silhouette prefers
   merging two clusters that are still close (a 20-device S1 run at round 150: 3 components vs the
   true 4, which ν = 0.1 finds);
@@ -100,7 +100,7 @@ from ..federation.messages import Message
 from ..models import flatten_params, layer_groups, unflatten_params
 from ..prox import group_soft_threshold, scad_prox
 from ..schema import ConfigError, hp
-from ..training import Params
+from ..training import Params, PullTo
 from . import register
 from .base import ClientHandle, EvalPlan, Method
 
@@ -110,7 +110,7 @@ READOUT = "readout/"  # evaluation-message prefix of a device's read-out model
 
 @dataclass
 class FPFCHparams(RobustAggregation):
-    """FPFC's penalty, ADMM and read-out settings (spec fpfc.md §1–§3, §6); ``aggregator`` & co.
+    """FPFC's penalty, ADMM and read-out settings (docs/methods/fpfc.md §1–§3, §6); ``aggregator`` & co.
     combine the shared body (``shared_layers: body``) as the global methods combine their models."""
     lam: float = hp(0.8, "fusion penalty λ (S1 from the official N(0,1) start: 0.8; README: synthetic 0.6, MNIST 0.4)",
                     low=0.0)
@@ -163,7 +163,7 @@ class FPFCL1Hparams(FPFCHparams):
     lam: float = hp(0.2, "fusion penalty λ of the group lasso", low=0.0)
     penalty: str = hp("l1", "fusion penalty: smoothed SCAD (FPFC) or group lasso (FPFC-L1)",
                       choices=("scad", "l1"))
-    nu: float = hp(4.0, "read-out threshold ν (README value; tune it per run, see the spec §11)",
+    nu: float = hp(4.0, "read-out threshold ν (README value; tune it per run, see the docs/methods/fpfc.md §11)",
                    low=0.0, low_open=True)
 
 
@@ -253,6 +253,8 @@ class FPFC(Method):
     name = "fpfc"
     Hparams = FPFCHparams
     description = "Fusion-penalised federated clustering, SCAD or L1 pairwise fusion (Yu et al. 2024)"
+    metric_names = ("cluster/num", "cluster/ari", "fpfc/nu", "fpfc/lambda", "fpfc/theta_max_within",
+                    "fpfc/theta_min_between", "time/sim_clock", "fpfc/readout_acc", "fpfc/readout_rmse")
     supports_async = True
 
     # ---- setup -------------------------------------------------------------------------------
@@ -371,12 +373,8 @@ class FPFC(Method):
         start.update({k: received[k] for k in self.shared})
         start = {k: start[k] for k in self.names}
 
-        def augmented_lagrangian_pull(grads: Params, params: Params) -> Params:
-            for k, z in target.items():
-                grads[k] = grads[k] + rho * (params[k] - z)
-            return grads
-
-        result = client.train(start, rnd, grad_hook=augmented_lagrangian_pull if pull else None, tag=tag)
+        # the augmented-Lagrangian pull ρ(w − ζ_i), on the clustered parameters only (none when alone)
+        result = client.train(start, rnd, grad_hook=PullTo(target, rho) if pull else None, tag=tag)
         client.state["w"] = {k: result.params[k] for k in self.clustered}
         return Message.of(result.params, n=client.n_train, train_loss=result.mean_loss)
 

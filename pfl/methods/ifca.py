@@ -12,7 +12,7 @@ for clients that were not sampled: at an evaluation every client receives the K 
 ``comm/eval_down_bytes``) and returns its choice (``comm/eval_up_bytes``). ``cluster/num`` and
 ``cluster/ari`` are computed from those choices.
 
-Decisions where the spec is silent or we deviate from the FPFC repository (fpfc.md §9):
+Decisions where the spec is silent or we deviate from the FPFC repository (docs/methods/fpfc.md §9):
 
 * ``init: independent`` (default) draws the K models from K independently seeded initialisations;
   identical starts (``init: shared``) make every client pick the same model (mode collapse) and are
@@ -36,7 +36,7 @@ from ..aggregation import weighted_average
 from ..evaluation import assignment_metrics, write_assignment_table
 from ..federation.messages import Message
 from ..schema import hp
-from ..training import Params, evaluate
+from ..training import Params
 from . import register
 from .base import ClientHandle, EvalPlan, Method
 
@@ -76,6 +76,7 @@ class IFCA(Method):
     name = "ifca"
     Hparams = IFCAHparams
     description = "Iterative federated clustering: K models, clients pick by lowest loss (Ghosh et al. 2020)"
+    metric_names = ("cluster/num", "cluster/ari")
 
     def setup(self) -> None:
         k = self.hp.k
@@ -91,7 +92,7 @@ class IFCA(Method):
 
     def _choose(self, client: ClientHandle, models: Sequence[Params]) -> int:
         d = client.data
-        losses = [evaluate(client.model, m, d.x_train, d.y_train, self.ctx.meta.task).loss for m in models]
+        losses = [client.evaluate(m, d.x_train, d.y_train).loss for m in models]
         return int(np.argmin(losses))
 
     def local_update(self, rnd: int, client: ClientHandle, msg: Message | None) -> Message:
@@ -101,6 +102,14 @@ class IFCA(Method):
         entries = dict(result.params)
         entries["cluster"] = index_tensor(j, self.hp.k)
         return Message.of(entries, train_loss=result.mean_loss, n=client.n_train)
+
+    def update_reference(self, rnd: int, received: Params | None, reply: Message) -> Params:
+        """Uplink compression: the trained model is an update of the cluster model it started from
+        (the index travels dense, so the server knows which)."""
+        if not received or "cluster" not in reply.entries:
+            return {}
+        j = int(reply["cluster"][0])
+        return {k: received[f"{j}/{k}"] for k in reply.entries if f"{j}/{k}" in received}
 
     def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
         groups: dict[int, list[Message]] = {}

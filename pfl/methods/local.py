@@ -29,7 +29,7 @@ class Local(Method):
     def personal_params(self, rnd: int, client: ClientHandle, received: Params | None) -> Params:
         return client.state["params"]
 
-    # newcomers (spec fpfc.md §8): a newcomer trains alone, one local update per join step
+    # newcomers (docs/methods/fpfc.md §8): a newcomer trains alone, one local update per join step
     newcomer_rule = "trains alone (newcomers.rounds local updates)"
 
     def join_active(self, step: int) -> list[int]:

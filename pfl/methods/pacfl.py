@@ -31,7 +31,7 @@ sample-weighted average of its members' previous cluster models (the initial mod
 one). A client without a basis yet is evaluated with the initial model and counted as its own
 cluster in ``cluster/num`` / ``cluster/ari``.
 
-Newcomers (after training; spec fpfc.md §8, "PACFL ... as their paper"): a newcomer uploads its
+Newcomers (after training; docs/methods/fpfc.md §8, "PACFL ... as their paper"): a newcomer uploads its
 basis once (one join step) and the server assigns it to the existing cluster at the smallest linkage
 distance (the mean angle to its members for average/weighted linkage, the smallest for single, the
 largest for complete); the trained clients' clusters do not change. It is evaluated with that
@@ -132,6 +132,7 @@ class PACFL(Method):
     name = "pacfl"
     Hparams = PACFLHparams
     description = "One-shot clustering by principal angles of data subspaces, then FedAvg per cluster"
+    metric_names = ("cluster/num", "cluster/ari", "pacfl/clients_with_basis")
 
     def configure(self) -> None:
         self.init: Params = self.ctx.init_params()  # regenerated from the run seed by every party

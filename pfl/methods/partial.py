@@ -23,7 +23,7 @@ after the warm-up each client receives the full model once, on its first samplin
 body. Only the final linear layer is shared (the reference's num_layers_keep = 1).
 
 A newcomer of LG-FedAvg fine-tunes (``newcomers.finetune_rounds`` local updates) the server's whole model (the averaged head and the server's body
-copy: θ^0, or the warm-up's FedAvg model) and is evaluated with the result (spec fpfc.md §8, "LG ...
+copy: θ^0, or the warm-up's FedAvg model) and is evaluated with the result (docs/methods/fpfc.md §8, "LG ...
 fine-tune the final global model"; :class:`~pfl.methods.base.FineTuneNewcomers`). FedRep's
 newcomers use the default rule (their own head stays θ^0).
 

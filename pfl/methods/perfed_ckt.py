@@ -9,7 +9,7 @@ where μ_c is the mean public-set logit matrix of the clients in cluster c. Per 
 each sampled client its cluster's centroid on this round's public rows; the client trains, then
 uploads its own logits on those rows (eval mode); the server k-means-clusters all stored logit
 matrices (stale ones kept) and assigns every client the nearest centroid. Only N_t×C logits cross
-the wire, orders of magnitude below a model. Specification: /work/shared/specs/perfed_ckt.md.
+the wire, orders of magnitude below a model. Notes: docs/methods/perfed_ckt.md.
 
 Decisions where the spec is [DESIGN] or silent (the paper body was not recoverable):
 
@@ -27,7 +27,7 @@ Decisions where the spec is [DESIGN] or silent (the paper body was not recoverab
   the same bytes as λ > 0.
 * Architectures: ``architectures`` is a list small → large (``"name"`` or ``{name, params}``); empty =
   auto: image-shaped data → [cnn_fpfc, mlp, cnn_fedavg] (6.6 k / 199 k / 582 k parameters on
-  28×28), else the run's model alone. Assignment per spec §6: score_k = n_k·u_k, u_k ~ U(0,1) from
+  28×28), else the run's model alone. Assignment per docs/methods/perfed_ckt.md §6: score_k = n_k·u_k, u_k ~ U(0,1) from
   ``ctx.rng("arch")``, clients sorted by score and cut into A near-equal groups, the highest-score
   group gets the last (largest) model. The assignment models an exogenous device property, so the
   server may use the clients' sample counts for it at setup (nothing else of a client is read).
@@ -192,6 +192,9 @@ class PerFedCKT(Method):
     # its uplink is public-set logits, not a model: the model-replacing attacks are not defined for it
     attackable_uplink = False
     uplink_note = "it uploads public-set logits"
+    cohort = "sequential"
+    metric_names = ("ckt/public_rows", "ckt/stored", "cluster/num", "cluster/ari", "cluster/ari_arch",
+                    "cluster/size_max", "cluster/size_min", "cluster/singletons")
 
     # ---- setup -------------------------------------------------------------------------------
     def configure(self) -> None:

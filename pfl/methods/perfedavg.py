@@ -16,7 +16,7 @@ generator) and the loop takes the step with lr β. The server averages the retur
 Personalized evaluation: one SGD step of size α on one local training batch from the current
 global model (the paper's and PFLlib's protocol). Traffic equals FedAvg's.
 
-Newcomers (spec fpfc.md §8): a newcomer fine-tunes the final global model for
+Newcomers (docs/methods/fpfc.md §8): a newcomer fine-tunes the final global model for
 ``newcomers.finetune_rounds`` local updates of plain SGD and is evaluated with the result (:class:`~pfl.methods.base.FineTuneNewcomers`).
 
 Decisions (spec marks the paper values unverified): α = β = the client lr by default (PFLlib;
@@ -109,6 +109,7 @@ class PerFedAvg(FineTuneNewcomers, FedAvg):
     name = "perfedavg"
     Hparams = PerFedAvgHparams
     description = "Per-FedAvg: MAML-style personalised FedAvg (Fallah et al. 2020)"
+    cohort = "sequential"
 
     def _batches_per_step(self) -> int:
         return 2 if self.hp.variant == "fo" else 3

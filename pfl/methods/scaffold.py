@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from ..aggregation import weighted_average, zeros_like
 from ..federation.messages import Message
 from ..schema import hp
-from ..training import Params
+from ..training import Params, Shift
 from . import register
 from .base import ClientHandle
 from .fedavg import FedAvg
@@ -70,12 +70,8 @@ class Scaffold(FedAvg):
         if c_k is None:
             c_k = zeros_like(theta)
         correction = {k: c[k] - c_k[k] for k in theta}
-
-        def corrected(grads: Params, params: Params) -> Params:
-            return {k: g + correction[k] for k, g in grads.items()}
-
         lr = self.ctx.lr(rnd)
-        result = client.train(self.start_params(client, theta), rnd, lr=lr, grad_hook=corrected)
+        result = client.train(self.start_params(client, theta), rnd, lr=lr, grad_hook=Shift(correction))
         y = result.params
         steps = max(result.steps, 1)
         c_new = {k: c_k[k] - c[k] + (theta[k] - y[k]) / (steps * lr) for k in theta}

@@ -1,4 +1,4 @@
-"""FPFC's λ tuning strategies: a warm-started λ path vs separate runs (spec fpfc.md §4).
+"""FPFC's λ tuning strategies: a warm-started λ path vs separate runs (docs/methods/fpfc.md §4).
 
 *Warmup (path following).* Train at the first λ of the grid until the validation accuracy
 changes by less than ``tolerance`` between evaluations (or ``stage_cap`` rounds), record the
@@ -14,7 +14,7 @@ its λ is, so the last stages of the path always look best. The ``finalists`` be
 each continued ``playoff_rounds`` more rounds from their own state, and the best of them after that
 is the one continued to the budget. Every round run counts in ``total_rounds``.
 
-*Separate.* Every λ of the same grid is trained from scratch for the full ``budget`` (spec fpfc.md
+*Separate.* Every λ of the same grid is trained from scratch for the full ``budget`` (docs/methods/fpfc.md
 §4: the baseline of the paper's timing table), so both strategies' final models have had the same
 number of rounds and the comparison is of how the rounds were spent.
 
@@ -113,6 +113,10 @@ STAGE_METRICS = {"lambda": "lambda", "val/acc_mean": "val_acc", "test/acc_mean":
                  "cluster/num": "clusters", "cluster/ari": "ari", "rounds": "rounds"}
 
 
+#: what a λ-tuning trial reports besides the run's own metrics
+PATH_METRICS = ("fpfc/selected_lambda", "fpfc/total_rounds", "fpfc/path_stages", "stage/*", "playoff/*")
+
+
 def stage_metrics(stage: dict, prefix: str = "stage/") -> dict[str, float]:
     """A path stage (or playoff match) as metrics (``stage/*``, ``playoff/*``)."""
     return {prefix + name: float(stage[key]) for key, name in STAGE_METRICS.items() if key in stage}
@@ -141,6 +145,8 @@ class LambdaPath(Callback):
     """
 
     key = "lambda_path"
+    #: what the schedule changes: logged at the end as the final model's λ and the rounds run
+    steered_keys = ("method.lam", "federation.rounds")
 
     def __init__(self, settings: PathSettings, strategy: str = "warmup",
                  on_stage: Callable[[int, Stage], None] | None = None):
@@ -264,6 +270,7 @@ class LambdaPath(Callback):
 
     def _finish(self, loop: RoundLoop, final: Stage) -> None:
         st = self.st
+        self.loop_executed = loop.sim.executed
         st["phase"], st["final"] = "done", final
         loop.summary.update({"fpfc/selected_lambda": final["lambda"], "fpfc/total_rounds": float(loop.sim.executed),
                              "fpfc/path_stages": float(len(st.get("stages", [])) or 1)})
@@ -292,6 +299,17 @@ class LambdaPath(Callback):
         files.append((plot_path(self.st["stages"], outdir / "lambda_path.png",
                                 f"FPFC λ path ({self.settings.direction})", self.st["playoff"]), "plots"))
         return files
+
+    def final_params(self) -> dict[str, str]:
+        """The steered keys as the run ended (λ of the final model, rounds the trial computed) and
+        the path the λ took."""
+        st = self.st
+        out = {"federation.rounds": str(int(self.loop_executed))} if hasattr(self, "loop_executed") else {}
+        if st.get("stages"):
+            visited = " ".join(f"{s['lambda']:g}" for s in st["stages"])
+            played = " ".join(f"{s['lambda']:g}" for s in st.get("playoff", []))
+            out["path.lambdas_run"] = visited + (f" | playoff {played}" if played else "")
+        return out
 
     def state_dict(self) -> dict:
         return self.st

@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 
 from ..config import apply_overrides, resolve
 from ..schema import ConfigError, from_dict, hp
@@ -136,28 +135,52 @@ class SearchSpace:
             raise ConfigError("searcher", "grid search needs grid/choice distributions only")
 
 
-def scenarios_file(space_path: Path | None = None) -> Path:
-    here = space_path.parent if space_path else Path(__file__).resolve().parents[2] / "search_spaces"
-    return here / "scenarios.yaml"
+PROJECT_SCENARIOS = Path(__file__).resolve().parents[2] / "search_spaces" / "scenarios.yaml"
+
+
+def _read_scenarios(path: Path) -> dict:
+    from ..config import parse_yaml_file
+
+    loaded = parse_yaml_file(path, "scenario") or {}
+    if not isinstance(loaded, dict):
+        raise ConfigError("scenario", f"{path} must map scenario names to dotted config values")
+    return loaded
 
 
 def load_scenario(name: str, space_path: Path | None = None) -> dict:
-    path = scenarios_file(space_path)
-    scenarios = yaml.safe_load(path.read_text()) if path.is_file() else {}
-    if name not in (scenarios or {}):
-        raise ConfigError("scenario", f"unknown scenario {name!r}; allowed: {', '.join(sorted(scenarios or {}))} "
-                                      f"(defined in {path})")
-    return dict(scenarios[name])
+    """Scenario ``name``: from a ``scenarios.yaml`` beside the space file when that file defines
+    it, else from the project's ``search_spaces/scenarios.yaml``."""
+    places = [space_path.parent / "scenarios.yaml"] if space_path else []
+    places = [p for p in places if p.resolve() != PROJECT_SCENARIOS] + [PROJECT_SCENARIOS]
+    known: dict[str, Path] = {}
+    for path in places:
+        if not path.is_file():
+            continue
+        scenarios = _read_scenarios(path)
+        if name in scenarios:
+            value = scenarios[name]
+            if not isinstance(value, dict):
+                raise ConfigError(f"scenario.{name}", f"{path}: a scenario maps dotted keys to values, "
+                                                      f"got {value!r}")
+            return dict(value)
+        known.update({k: path for k in scenarios if k not in known})
+    raise ConfigError("scenario", f"unknown scenario {name!r}; allowed: {', '.join(sorted(known))} "
+                                  f"(looked in {', '.join(str(p) for p in places if p.is_file())})")
 
 
 def load_space(path: str | Path) -> SearchSpace:
+    from ..config import parse_yaml_file
+
     path = Path(path)
     if not path.is_file():
         raise ConfigError("space", f"no such search-space file: {path}")
-    raw = yaml.safe_load(path.read_text()) or {}
+    raw = parse_yaml_file(path, "space") or {}
     if not isinstance(raw, dict):
         raise ConfigError("space", f"{path} must hold a mapping")
-    space = from_dict(SearchSpace, raw)
+    try:
+        space = from_dict(SearchSpace, raw)
+    except ConfigError as err:
+        raise ConfigError(err.field, f"{str(err).split(': ', 1)[-1]} (in {path})") from None
     space.path = str(path)
     return space
 
@@ -176,18 +199,30 @@ def base_config(space: SearchSpace, overrides: list[str] | None = None, smoke: b
     return raw
 
 
-def check_space(space: SearchSpace, raw: dict) -> None:
-    """Resolve the base config and, for each searched key, a config with that key set (per value)."""
+def check_space(space: SearchSpace, raw: dict, extra_metrics: tuple[str, ...] = ()) -> None:
+    """Resolve the base config and, for each searched key, a config with that key set (per value);
+    the space's ``metric`` must be one the trials report (``extra_metrics``: a pipeline's own)."""
+    from ..evaluation import metric_known, reported_metrics
+
     try:
-        resolve(raw)
+        base = resolve(raw)
     except ConfigError as err:
         raise ConfigError(err.field, f"{err} (in the scenario/base/fixed values of {space.path})") from None
+    catalog = list(reported_metrics(base)) + list(extra_metrics)
     for key, dist in space.distributions.items():
         for value in dist.examples():
             try:
-                resolve(apply_overrides(raw, {key: value}))
+                cfg = resolve(apply_overrides(raw, {key: value}))
             except ConfigError as err:
                 raise ConfigError(f"search.{key}", f"{err}") from None
+            catalog += [m for m in reported_metrics(cfg) if m not in catalog]
+    if not metric_known(space.metric, catalog):
+        import difflib
+
+        close = difflib.get_close_matches(space.metric, [m for m in catalog if "*" not in m], n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError("metric", f"{space.metric!r} in {space.path} is not a metric the trials report{hint}; "
+                                    f"reported: {', '.join(catalog)}")
 
 
 def grid_size(space: SearchSpace) -> int:

@@ -1,0 +1,288 @@
+"""Communication compression table: accuracy and uplink bytes of compressed FL and the seminar's methods.
+
+    python pipelines/compression_table.py [--quick] [--only TEXT ...] [--target ACC] [--set key=value ...]
+                                          [--no-track] [--out DIR] [--quiet]
+
+Entries (docs/methods/seminar.md, docs/methods/compression.md; ``--only`` keeps the labels containing any TEXT):
+
+* ``fedavg``, ``fedprox``, ``scaffold`` on Fashion-MNIST Dir(0.5) (scenario ``fmnist_dir05``: 20
+  clients sharing 20,000 samples, 10 per round, an MLP, 50 rounds) and ``fpfc`` on FPFC's synthetic S1
+  (``fpfc_s1``, 300 rounds), each × {none, fp16, qsgd s=1, qsgd s=7, terngrad, rand-k 10 %, top-k 1 % + EF,
+  scaled sign + EF} as ``compression.uplink``;
+* on Fashion-MNIST: DIANA + QSGD s=1, MARINA + rand-k 10 % (a gradient method: one gradient step
+  per round, so it gets 10× the rounds, full participation), LAG, L2GD, FedPD (full participation),
+  FedSplit — every method at its defaults.
+
+Columns: final test accuracy (each method's evaluated model: global for the global methods, personal
+for FPFC and L2GD), cumulative uplink bytes (measured: the encodings' bits), its ratio to the same
+method's uncompressed entry (FedAvg's for the seminar entries), the accuracy difference in points,
+and the uplink bytes at the first evaluation that reached the target accuracy (``--target``;
+default: 95 % of the uncompressed FedAvg's — FPFC's on S1 — final accuracy).
+
+MLflow: a parent run with the table (CSV, Markdown), one plot per scenario of test accuracy vs
+cumulative uplink bytes (``plots/accuracy_vs_uplink_<scenario>.png``) and each entry's headline
+metrics; one child run per entry (per-round metrics, config, its own plots). ``--quick`` shrinks
+everything (6,000 Fashion-MNIST samples, 10 clients, 10 rounds; S1 with 20 devices and 40 rounds)
+to run in a few minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pfl.schema import ConfigError  # noqa: E402
+from pfl.tracking import run_hint  # noqa: E402
+
+#: compression.* settings of the compressor columns (label → dotted overrides)
+COMPRESSORS: dict[str, dict] = {
+    "none": {},
+    "fp16": {"compression.uplink": {"name": "fp16"}},
+    "qsgd_s1": {"compression.uplink": {"name": "qsgd", "s": 1}},
+    "qsgd_s7": {"compression.uplink": {"name": "qsgd", "s": 7}},
+    "terngrad": {"compression.uplink": {"name": "terngrad"}},
+    "randk_10": {"compression.uplink": {"name": "randk", "ratio": 0.1}},
+    "topk_1_ef": {"compression.uplink": {"name": "topk", "ratio": 0.01}, "compression.error_feedback": True},
+    "sign_ef": {"compression.uplink": {"name": "sign", "scaled": True}, "compression.error_feedback": True},
+}
+
+#: scenario → (scenario name, overrides, quick overrides)
+SCENARIOS: dict[str, tuple[str, dict, dict]] = {
+    "fmnist": ("fmnist_dir05", {}, {
+        "data.max_samples": 6000, "data.num_clients": 10, "federation.clients_per_round": 5,
+        "federation.rounds": 10, "federation.eval_every": 2, "model.params": {"hidden": [100]}}),
+    "s1": ("fpfc_s1", {"federation.rounds": 300, "federation.eval_every": 25}, {
+        "data.num_clients": 20, "federation.clients_per_round": 6, "federation.rounds": 40,
+        "federation.eval_every": 10}),
+}
+
+#: the seminar's methods (on the Fashion-MNIST scenario); "rounds_x" multiplies the scenario's rounds
+SEMINAR: dict[str, dict] = {
+    "diana/qsgd_s1": {"method.name": "diana", "compression.uplink": {"name": "qsgd", "s": 1}},
+    "marina/randk_10": {"method.name": "marina", "compression.uplink": {"name": "randk", "ratio": 0.1},
+                        "federation.clients_per_round": 0, "federation.lr": 0.5, "rounds_x": 10},
+    "lag/none": {"method.name": "lag"},
+    "l2gd/none": {"method.name": "l2gd"},
+    "fedpd/none": {"method.name": "fedpd", "federation.clients_per_round": 0},
+    "fedsplit/none": {"method.name": "fedsplit"},
+}
+
+#: (method, scenario) pairs crossed with every compressor
+CROSSED = [("fedavg", "fmnist"), ("fedprox", "fmnist"), ("scaffold", "fmnist"), ("fpfc", "s1")]
+#: the entry whose final accuracy sets each scenario's default target
+REFERENCE = {"fmnist": "fedavg/none", "s1": "fpfc/none"}
+
+
+def entries() -> list[tuple[str, str, str, dict]]:
+    """(label, scenario, compressor label, overrides) of every entry, reference entries first."""
+    out = []
+    for method, scenario in CROSSED:
+        for comp, settings in COMPRESSORS.items():
+            out.append((f"{method}/{comp}", scenario, comp, {"method.name": method, **settings}))
+    for label, settings in SEMINAR.items():
+        out.append((label, "fmnist", label.split("/")[1], dict(settings)))
+    return out
+
+
+def select(all_entries, only: list[str] | None):
+    if not only:
+        return all_entries
+    return [e for e in all_entries if any(text in e[0] for text in only)]
+
+
+def build_configs(chosen, quick: bool, overrides: list[str], track: bool) -> dict:
+    """One validated config per entry (every error before any training)."""
+    from pfl.config import apply_overrides, resolve
+    from pfl.tune.space import load_scenario
+
+    configs = {}
+    for label, scenario, _, settings in chosen:
+        name, base, small = SCENARIOS[scenario]
+        raw = apply_overrides(apply_overrides({}, load_scenario(name)), base)
+        if quick:
+            raw = apply_overrides(raw, small)
+        settings = dict(settings)
+        times = settings.pop("rounds_x", 1)
+        raw = apply_overrides(raw, settings)
+        raw = apply_overrides(raw, overrides)
+        if times != 1:
+            fed = raw["federation"]
+            fed["rounds"] = int(fed["rounds"]) * times
+            fed["eval_every"] = int(fed.get("eval_every", 1)) * times
+        raw = apply_overrides(raw, {"tracking.enabled": track, "tracking.log_model": False})
+        try:
+            configs[label] = resolve(raw)
+        except ConfigError as err:
+            raise ConfigError(err.field, f"{err} (entry {label})") from None
+    return configs
+
+
+def curve(history: list[dict]) -> list[tuple[float, float]]:
+    """(cumulative uplink bytes, test accuracy) at every evaluation."""
+    return [(h["comm/up_bytes"], h["test/acc_mean"]) for h in history if "test/acc_mean" in h]
+
+
+def bytes_to_target(points: list[tuple[float, float]], target: float) -> float:
+    for up, acc in points:
+        if acc >= target:
+            return up
+    return math.nan
+
+
+def plot_curves(curves: dict[str, list[tuple[float, float]]], targets: dict[str, float], scenario: str,
+                path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8.0, 5.2), dpi=100)
+    colors = plt.get_cmap("tab20").colors
+    for i, (label, points) in enumerate(curves.items()):
+        if points:
+            xs, ys = zip(*points)
+            ax.plot([x / 2**20 for x in xs], ys, marker=".", label=label, color=colors[i % len(colors)],
+                    linestyle="-" if "/none" in label else "--" if "_ef" in label else "-.")
+    if scenario in targets and targets[scenario] == targets[scenario]:
+        ax.axhline(targets[scenario], color="grey", lw=0.8, ls=":", label="target")
+    ax.set_xscale("log")
+    ax.set_xlabel("cumulative uplink (MiB, log scale)")
+    ax.set_ylabel("test accuracy")
+    ax.set_title(f"accuracy vs uplink bytes — {SCENARIOS[scenario][0]}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def format_table(rows: list[dict]) -> str:
+    from pfl.runner import format_bytes
+
+    def pct(v):
+        return "–" if v != v else f"{100 * v:.2f}"
+
+    lines = ["| entry | scenario | test acc | Δ acc (pt) | uplink | uplink ratio | uplink to target | rounds |",
+             "|" + "---|" * 8]
+    for r in rows:
+        delta = "–" if r["acc_delta"] != r["acc_delta"] else f"{100 * r['acc_delta']:+.2f}"
+        ratio = "–" if r["up_ratio"] != r["up_ratio"] else f"1/{1 / r['up_ratio']:.1f}" if r["up_ratio"] else "0"
+        target = "not reached" if r["up_to_target"] != r["up_to_target"] else format_bytes(r["up_to_target"])
+        lines.append(f"| {r['entry']} | {r['scenario']} | {pct(r['test_acc'])} | {delta} | "
+                     f"{format_bytes(r['up_bytes'])} | {ratio} | {target} | {r['rounds']} |")
+    return "\n".join(lines)
+
+
+def _data_key(cfg) -> str:
+    from pfl.schema import to_dict
+
+    return json.dumps({"seed": cfg.seed, "data": to_dict(cfg.data)}, sort_keys=True, default=str)
+
+
+def run(only: list[str] | None = None, quick: bool = False, overrides: list[str] | None = None,
+        target: float | None = None, track: bool = True, out: str | Path | None = None, progress=print) -> dict:
+    import tempfile
+
+    import pandas as pd
+
+    from pfl.data import load_federated
+    from pfl.runner import TableRun
+
+    chosen = select(entries(), only)
+    if not chosen:
+        raise ConfigError("--only", f"no entry matches {only}; entries: {', '.join(e[0] for e in entries())}")
+    configs = build_configs(chosen, quick, list(overrides or []), track)
+    parent = TableRun("compression_table" + ("-quick" if quick else ""), track=track,
+                      params={"entries": ",".join(configs), "quick": quick, "target": target,
+                              "overrides": " ".join(overrides or [])})
+    datasets: dict[str, object] = {}
+    rows, curves = [], {s: {} for s in SCENARIOS}
+    finals: dict[str, float] = {}
+    ups: dict[str, float] = {}
+    for label, scenario, comp, _ in chosen:
+        cfg = configs[label]
+        key = _data_key(cfg)
+        if key not in datasets:
+            datasets[key] = load_federated(cfg.data, cfg.seed)
+        if progress:
+            progress(f"== {label} ({SCENARIOS[scenario][0]}) ==")
+        start = time.perf_counter()
+        summary = parent.run(label, cfg, progress=progress, data=datasets[key])
+        f = summary.final
+        finals[label] = f.get("test/acc_mean", math.nan)
+        ups[label] = f.get("comm/up_bytes", math.nan)
+        curves[scenario][label] = curve(summary.history)
+        rows.append({"entry": label, "scenario": SCENARIOS[scenario][0], "method": cfg.method.name,
+                     "compressor": comp, "error_feedback": cfg.compression.error_feedback,
+                     "test_acc": finals[label], "global_acc": f.get("global/test_acc", math.nan),
+                     "up_bytes": ups[label], "down_bytes": f.get("comm/down_bytes", math.nan),
+                     "rounds": cfg.federation.rounds, "time_s": time.perf_counter() - start,
+                     "status": summary.status, "run_id": summary.run_id or ""})
+    # relative columns: each entry against its method's dense run (FedAvg's for the seminar entries)
+    targets = {}
+    for scenario, ref in REFERENCE.items():
+        targets[scenario] = target if target is not None else 0.95 * finals.get(ref, math.nan)
+    for row, (label, scenario, _, _) in zip(rows, chosen):
+        base = f"{label.split('/')[0]}/none"
+        if base not in finals or label in SEMINAR:
+            base = REFERENCE[scenario]
+        row["baseline"] = base if base in finals else ""
+        row["up_ratio"] = ups[label] / ups[base] if base in ups and ups[base] else math.nan
+        row["acc_delta"] = finals[label] - finals[base] if base in finals else math.nan
+        row["target"] = targets[scenario]
+        row["up_to_target"] = bytes_to_target(curves[scenario][label], targets[scenario])
+        safe = label.replace("/", ".")
+        parent.log_metrics({f"{safe}.test_acc": row["test_acc"], f"{safe}.up_bytes": row["up_bytes"]})
+    text = format_table(rows)
+    with tempfile.TemporaryDirectory() as tmp:
+        for scenario, drawn in curves.items():
+            if drawn:
+                path = plot_curves(drawn, targets, scenario, Path(tmp) / f"accuracy_vs_uplink_{scenario}.png")
+                parent.parent.log_artifact(path, "plots")
+                if out:
+                    Path(out).mkdir(parents=True, exist_ok=True)
+                    (Path(out) / path.name).write_bytes(path.read_bytes())
+        parent.finish(rows, "compression_table", text, outdir=out)
+    return {"table": pd.DataFrame(rows), "markdown": text, "parent_run_id": parent.run_id, "targets": targets}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small, fast version (a few minutes)")
+    parser.add_argument("--only", nargs="+", default=None, metavar="TEXT",
+                        help="run only the entries whose label contains one of these (e.g. fedavg/ diana)")
+    parser.add_argument("--target", type=float, default=None,
+                        help="target test accuracy for the bytes-to-target column (default: 0.95 × the "
+                             "uncompressed FedAvg's, FPFC's on S1)")
+    parser.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                        help="dotted config overrides for every entry")
+    parser.add_argument("--no-track", action="store_true", help="do not log to MLflow")
+    parser.add_argument("--out", help="also write the table (CSV, Markdown) and plots into this directory")
+    parser.add_argument("--quiet", action="store_true", help="no per-round progress lines")
+    parser.add_argument("--list", action="store_true", help="list the entries and exit")
+    args = parser.parse_args(argv)
+    if args.list:
+        for label, scenario, _, settings in entries():
+            print(f"{label:<22} {SCENARIOS[scenario][0]:<14} {settings}")
+        return 0
+    try:
+        result = run(args.only, args.quick, args.set, args.target, track=not args.no_track, out=args.out,
+                     progress=None if args.quiet else print)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    print("\n" + result["markdown"])
+    if result["parent_run_id"]:
+        print("\n" + run_hint(result["parent_run_id"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
