@@ -343,6 +343,12 @@ def _check_attack_and_newcomers(cfg: ExperimentConfig) -> None:
             raise ConfigError("attack.kind", "the attacks rewrite plain model uploads and do not combine with "
                                              f"compression.uplink ({cfg.compression.uplink['name']!r}); use "
                                              "attack.kind=none or compression.uplink={name: none}")
+    hparams = cfg.method.hparams
+    if getattr(hparams, "aggregator", "mean") != "mean" and get_method(cfg.method.name).compresses_uplink:
+        # DIANA, LAG inherit FedAvg's keys but combine their own encoded updates, not through reply_average
+        raise ConfigError("method.aggregator", f"method {cfg.method.name!r} combines the encoded updates of its "
+                                               "own protocol; the robust rules do not apply to it: use "
+                                               "aggregator=mean")
     newcomers = round_share(m, cfg.newcomers.fraction)
     if newcomers and newcomers >= m:
         raise ConfigError("newcomers.fraction", f"{cfg.newcomers.fraction} of {m} clients leaves none to train")

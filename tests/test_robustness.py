@@ -475,3 +475,10 @@ def test_attacks_refuse_an_encoded_uplink_before_any_work():
     # a compressed downlink leaves the uploads plain: allowed
     cfg = small_config(attack__kind="gaussian", attack__fraction=0.2, compression__downlink={"name": "fp16"})
     assert cfg.attack.kind == "gaussian"
+
+
+@pytest.mark.parametrize("name", ["diana", "lag"])
+def test_methods_with_their_own_encoded_aggregation_refuse_a_robust_rule(name):
+    with pytest.raises(ConfigError, match="method.aggregator"):
+        small_config(method__name=name, method__aggregator="median")
+    assert small_config(method__name=name).method.hparams.aggregator == "mean"
