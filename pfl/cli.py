@@ -39,13 +39,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
     print(f"method {cfg.method.name} on {cfg.data.source}: {summary.status}"
           + (f" ({summary.reason})" if summary.reason else ""))
     for key in ("test/acc_mean", "test/acc_std", "test/acc_p10", "val/acc_mean", "global/test_acc",
-                "test/rmse_mean", "cluster/num", "cluster/ari"):
+                "test/rmse_mean", "cluster/num", "cluster/ari", "attack/benign_clients", "newcomer/acc_mean",
+                "newcomer/acc_std", "newcomer/ari", "newcomer/in_true_cluster"):
         if key in final:
-            print(f"  {key:<18} {final[key]:.4f}")
-    print(f"  communication      up {format_bytes(final.get('comm/up_bytes', 0))}, "
+            print(f"  {key:<24} {final[key]:.4f}")
+    print(f"  communication            up {format_bytes(final.get('comm/up_bytes', 0))}, "
           f"down {format_bytes(final.get('comm/down_bytes', 0))}, "
           f"total {int(final.get('comm/total_bytes', 0))} bytes")
-    print(f"  time               {final.get('time/elapsed_s', 0):.1f} s")
+    print(f"  time                     {final.get('time/elapsed_s', 0):.1f} s")
     if summary.run_id:
         print(f"  MLflow run {summary.run_id} in {tracking_uri()}")
         print(f"  view: mlflow ui --backend-store-uri {tracking_uri()}")

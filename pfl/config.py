@@ -9,6 +9,8 @@ Layout (YAML)::
     federation: {rounds: 50, clients_per_round: 10, local_epochs: 1, batch_size: 32, lr: 0.05, ...}
     tracking: {enabled: true, experiment: pfl, run_name: null}
     compression: {uplink: {name: qsgd, s: 7}, downlink: {name: none}, error_feedback: false, min_numel: 256}
+    attack: {kind: none, fraction: 0.0, ...}          # Byzantine clients (pfl/federation/attacks.py)
+    newcomers: {fraction: 0.0, rounds: 50, ...}       # clients that join after training (pfl/federation/newcomers.py)
 
 Everything is validated by :func:`resolve` before any data is loaded or any model is trained: an
 unknown section, field, method, data source or model, or an out-of-range value, raises
@@ -116,6 +118,40 @@ class TrackingConfig:
     log_model: bool = hp(True, "log the final model state as an artifact")
 
 
+ATTACK_KINDS = ("none", "same_value", "sign_flip", "gaussian")
+
+
+@dataclass
+class AttackConfig:
+    """Byzantine clients: a fixed subset rewrites every training upload (docs/methods/fpfc.md §8, after Lin et al.
+    2022's code). Metrics (``test/*``, ``global/*``) are then over the benign clients only."""
+    kind: str = hp("none", "what a malicious client sends instead of its upload: same_value (c·1, one c ~ "
+                   "N(0, σ²) per upload), sign_flip (−|s|·upload, s ~ N(0, σ²)), gaussian (i.i.d. N(0, σ²) "
+                   "entries)", choices=ATTACK_KINDS)
+    fraction: float = hp(0.0, "share of the clients that are malicious: round(m·fraction) clients drawn once "
+                         "from the run's seed", low=0.0, high=1.0, high_open=True)
+    same_value_std: float = hp(100.0, "σ of the same-value attack's constant c", low=0.0, low_open=True)
+    sign_flip_std: float = hp(10.0, "σ of the sign-flip attack's scale s", low=0.0, low_open=True)
+    gaussian_std: float = hp(100.0, "σ of the Gaussian attack's entries", low=0.0, low_open=True)
+    scope: str = hp("model", "what is rewritten: every floating tensor of the upload (model), or only the "
+                    "tensors of the model's head, its last layer (head: the FPFC paper's 'personalization "
+                    "layers' of its CNN experiments)", choices=("model", "head"))
+
+
+@dataclass
+class NewcomersConfig:
+    """Clients held out of training that join afterwards, each by its method's rule (docs/methods/fpfc.md §8)."""
+    fraction: float = hp(0.0, "share of the clients held out of training: round(m·fraction) clients drawn "
+                         "once from the run's seed; 0 = none", low=0.0, high=1.0, high_open=True)
+    rounds: int = hp(50, "join steps after training (at most): FPFC's newcomer-only ADMM rounds, Local's "
+                     "training rounds", low=0)
+    finetune_rounds: int = hp(1, "local updates of the fine-tuning rules (LG-FedAvg, Per-FedAvg: from the final "
+                              "global model; Ditto: its personal task)", low=0)
+    local_rounds: int = hp(1, "FPFC: local updates a newcomer makes alone before its first upload", low=1)
+    tol: float = hp(1e-3, "FPFC: a newcomer stops when its upload changes by less than this, relative "
+                    "(‖Δw‖ ≤ tol·‖w‖); 0 = always all rounds", low=0.0)
+
+
 @dataclass
 class MethodConfig:
     """``name`` plus that method's hyperparameters, resolved to its dataclass by :func:`resolve`."""
@@ -151,7 +187,8 @@ class CompressionConfig:
         self.downlink = resolve_spec(self.downlink, f"{path}.downlink")
 
 
-SECTIONS = ("seed", "data", "model", "method", "federation", "tracking", "compression")
+SECTIONS = ("seed", "data", "model", "method", "federation", "tracking", "compression", "attack",
+            "newcomers")
 
 
 @dataclass
@@ -163,6 +200,8 @@ class ExperimentConfig:
     federation: FederationConfig = dataclasses.field(default_factory=FederationConfig)
     tracking: TrackingConfig = dataclasses.field(default_factory=TrackingConfig)
     compression: CompressionConfig = dataclasses.field(default_factory=CompressionConfig)
+    attack: AttackConfig = dataclasses.field(default_factory=AttackConfig)
+    newcomers: NewcomersConfig = dataclasses.field(default_factory=NewcomersConfig)
 
     def to_dict(self) -> dict:
         return {
@@ -173,6 +212,8 @@ class ExperimentConfig:
             "federation": to_dict(self.federation),
             "tracking": to_dict(self.tracking),
             "compression": to_dict(self.compression),
+            "attack": to_dict(self.attack),
+            "newcomers": to_dict(self.newcomers),
         }
 
     def to_yaml(self) -> str:
@@ -263,12 +304,15 @@ def resolve(raw: dict | None) -> ExperimentConfig:
     federation = from_dict(FederationConfig, raw.get("federation"), "federation")
     tracking = from_dict(TrackingConfig, raw.get("tracking"), "tracking")
     compression = from_dict(CompressionConfig, raw.get("compression"), "compression")
-    cfg = ExperimentConfig(seed=seed, data=data, model=model, method=method,
-                           federation=federation, tracking=tracking, compression=compression)
+    attack = from_dict(AttackConfig, raw.get("attack"), "attack")
+    newcomers = from_dict(NewcomersConfig, raw.get("newcomers"), "newcomers")
+    cfg = ExperimentConfig(seed=seed, data=data, model=model, method=method, federation=federation,
+                           tracking=tracking, compression=compression, attack=attack, newcomers=newcomers)
     resolve_model_config(cfg)
     from .compression.checks import check_method_compression
 
     check_method_compression(cfg)
+    _check_attack_and_newcomers(cfg)
     if federation.driver == "async":
         from .methods import get_method, list_methods
 
@@ -277,6 +321,42 @@ def resolve(raw: dict | None) -> ExperimentConfig:
             raise ConfigError("federation.driver", f"method {name!r} has no asynchronous form; "
                                                    f"'async' is allowed for: {able}")
     return cfg
+
+
+def _check_attack_and_newcomers(cfg: ExperimentConfig) -> None:
+    """What the ``attack`` and ``newcomers`` sections need from the rest of the config."""
+    from .methods import get_method
+
+    m = cfg.data.num_clients
+    if cfg.attack.kind != "none":
+        cls = get_method(cfg.method.name)
+        if not cls.attackable_uplink:
+            raise ConfigError("attack.kind", f"method {cfg.method.name!r} uploads no model ({cls.uplink_note}); "
+                                             "the attacks rewrite model uploads, so use attack.kind=none")
+        # an attacker replaces plain uplink tensors; an encoded uplink (the codec's, or one a method
+        # builds inside its protocol) would need the attack before the encoding: not supported
+        if cls.compresses_uplink:
+            raise ConfigError("attack.kind", f"method {cfg.method.name!r} encodes its own uplink (compresses inside "
+                                             "its protocol); the attacks rewrite plain model uploads, so use "
+                                             "attack.kind=none")
+        if cfg.compression.uplink.get("name", "none") != "none":
+            raise ConfigError("attack.kind", "the attacks rewrite plain model uploads and do not combine with "
+                                             f"compression.uplink ({cfg.compression.uplink['name']!r}); use "
+                                             "attack.kind=none or compression.uplink={name: none}")
+    hparams = cfg.method.hparams
+    if getattr(hparams, "aggregator", "mean") != "mean" and get_method(cfg.method.name).compresses_uplink:
+        # DIANA, LAG inherit FedAvg's keys but combine their own encoded updates, not through reply_average
+        raise ConfigError("method.aggregator", f"method {cfg.method.name!r} combines the encoded updates of its "
+                                               "own protocol; the robust rules do not apply to it: use "
+                                               "aggregator=mean")
+    newcomers = round_share(m, cfg.newcomers.fraction)
+    if newcomers and newcomers >= m:
+        raise ConfigError("newcomers.fraction", f"{cfg.newcomers.fraction} of {m} clients leaves none to train")
+
+
+def round_share(m: int, fraction: float) -> int:
+    """round(m·fraction), halves rounded up: how many clients a share of ``m`` is."""
+    return int(m * fraction + 0.5)
 
 
 def parse_yaml_file(path: str | Path, what: str = "config") -> Any:
@@ -323,7 +403,7 @@ def load(path: str | Path | None = None, overrides: list[str] | dict | None = No
 
 
 __all__ = [
-    "CompressionConfig", "ConfigError", "DataConfig", "ExperimentConfig", "FederationConfig", "MethodConfig",
-    "ModelConfig", "PartitionConfig", "TrackingConfig", "apply_overrides", "check", "load",
-    "parse_value", "resolve",
+    "ATTACK_KINDS", "AttackConfig", "CompressionConfig", "ConfigError", "DataConfig", "ExperimentConfig",
+    "FederationConfig", "MethodConfig", "ModelConfig", "NewcomersConfig", "PartitionConfig", "TrackingConfig",
+    "apply_overrides", "check", "load", "parse_value", "resolve", "round_share",
 ]

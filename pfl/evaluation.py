@@ -111,6 +111,9 @@ EVAL_METRICS = {
                    "test/rmse_p10", "test/rmse_worst", "global/test_rmse", "global/test_loss"),
 }
 ASYNC_METRICS = ("time/sim_clock", "async/arrivals")
+#: under an attack (pfl/federation/attacks.py) and with newcomers (pfl/federation/newcomers.py)
+ATTACK_METRICS = ("attack/benign_clients", "attack/diverged")
+NEWCOMER_METRICS = ("newcomer/*", "comm/join_up_bytes", "comm/join_down_bytes")
 
 
 def reported_metrics(cfg) -> tuple[str, ...]:
@@ -124,6 +127,10 @@ def reported_metrics(cfg) -> tuple[str, ...]:
     names = [*RUN_METRICS, *CommLedger().metrics(), *EVAL_METRICS[task], *get_method(cfg.method.name).metric_names]
     if cfg.federation.driver == "async":
         names += ASYNC_METRICS
+    if cfg.attack.kind != "none":
+        names += ATTACK_METRICS
+    if cfg.newcomers.fraction > 0:
+        names += NEWCOMER_METRICS
     if any(spec.get("name") in ("fp16", "bf16") for spec in (cfg.compression.uplink, cfg.compression.downlink)):
         names.append("comm/fp16_flushed")  # pfl.compression.codec: non-zeros a half-precision encoding lost
     return tuple(dict.fromkeys(names))
@@ -199,21 +206,29 @@ def cluster_metrics(labels: Sequence[int] | np.ndarray, true: Sequence[int] | np
     return out
 
 
-def assignment_metrics(labels: Sequence[int] | np.ndarray, meta) -> dict[str, float]:
-    """Cluster metrics of a per-client assignment against ``meta.true_clusters``."""
-    return cluster_metrics(np.asarray(labels, dtype=int), meta.true_clusters)
+def assignment_metrics(labels: Sequence[int] | np.ndarray, meta,
+                       clients: Sequence[int] | None = None) -> dict[str, float]:
+    """Cluster metrics of a per-client assignment against ``meta.true_clusters``; ``labels[k]`` belongs
+    to client ``clients[k]`` (default: client k, all clients)."""
+    true = meta.true_clusters
+    if true is not None and clients is not None:
+        true = np.asarray(true)[list(clients)]
+    return cluster_metrics(np.asarray(labels, dtype=int), true)
 
 
-def write_assignment_table(outdir: str, filename: str, labels: Sequence[int], meta) -> str:
-    """CSV of a final assignment: client, true cluster (-1 when unknown), found cluster, n_train."""
+def write_assignment_table(outdir: str, filename: str, labels: Sequence[int], meta,
+                           clients: Sequence[int] | None = None) -> str:
+    """CSV of a final assignment: client, true cluster (-1 when unknown), found cluster, n_train;
+    ``labels[k]`` belongs to client ``clients[k]`` (default: client k)."""
     import csv
     import os
 
     path = os.path.join(outdir, filename)
     true = meta.true_clusters
+    ids = range(len(labels)) if clients is None else clients
     with open(path, "w", newline="") as fh:
         writer = csv.writer(fh)
         writer.writerow(["client", "true_cluster", "found_cluster", "n_train"])
-        for cid, label in enumerate(labels):
+        for cid, label in zip(ids, labels):
             writer.writerow([cid, -1 if true is None else int(true[cid]), int(label), meta.client_sizes[cid]])
     return path

@@ -1,4 +1,10 @@
-"""Ends a run whose training or evaluation loss is not finite: status FAILED, the reason kept."""
+"""Ends a run whose training or evaluation loss is not finite: status FAILED, the reason kept.
+
+Under a Byzantine attack (``attack.kind`` set) a non-finite loss is a measured outcome of the
+attack, not a failed configuration: the model the attackers poisoned is what the benign clients
+get. The run then goes on (non-finite models are evaluated as they are: their accuracy is what
+their arg-max predicts) and the round's metrics carry ``attack/diverged`` = 1.
+"""
 
 from __future__ import annotations
 
@@ -12,5 +18,8 @@ class StopOnDivergence(Callback):
         for key in ("train/loss", *sorted(k for k in metrics if k.endswith("loss_mean"))):
             value = metrics.get(key)
             if value is not None and not math.isfinite(value):
+                if loop.sim.cfg.attack.kind != "none":
+                    metrics["attack/diverged"] = 1.0
+                    return
                 what = "training loss" if key == "train/loss" else key
                 raise StopTraining("FAILED", f"round {int(metrics['round']) + 1}: {what} is {value}")

@@ -4,8 +4,10 @@
 20). On resume the run continues the same MLflow run (its id is part of the checkpoint) and rounds
 whose step is already logged are not logged again. At the end of a finished run: ``config.yaml``,
 ``client_metrics.csv``, ``plots/accuracy_vs_round.png``, ``plots/accuracy_vs_bytes.png``,
-``model/model_state.pt``, the method's artifacts, the other callbacks' artifacts and the loop's
-summary metrics; a run that did not finish gets its reason as the tag ``pfl.failure``.
+``model/model_state.pt``, the method's artifacts, the run's ``attack_malicious.csv`` /
+``newcomers.csv`` (when it has malicious clients / newcomers), the other callbacks' artifacts and
+the loop's summary metrics (the newcomers' ``newcomer/*`` among them); a run that did not finish
+gets its reason as the tag ``pfl.failure``.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ def write_run_artifacts(sim, outdir: Path) -> list[tuple[Path, str | None]]:
         torch.save(final_model_state(sim), outdir / "model_state.pt")
         files.append((outdir / "model_state.pt", "model"))
     files.extend((Path(p), "method") for p in sim.method.artifacts(str(outdir)))
+    files.extend((Path(p), None) for p in sim.artifacts(outdir))  # malicious / newcomer ids
     return files
 
 

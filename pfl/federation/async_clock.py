@@ -107,8 +107,8 @@ class AsyncSimulator(Simulator):
 
     @property
     def arrivals_per_round(self) -> int:
-        k = self.cfg.federation.clients_per_round
-        return self.num_clients if k == 0 or k >= self.num_clients else k
+        k, m = self.cfg.federation.clients_per_round, self.ctx.num_members
+        return m if k == 0 or k >= m else k
 
     def _dispatch(self, cid: int, now: float) -> None:
         k = self.tick
@@ -122,7 +122,7 @@ class AsyncSimulator(Simulator):
         start = time.perf_counter()
         if not self.started:
             self.started = True
-            for cid in range(self.num_clients):
+            for cid in self.ctx.members:  # newcomers join after training (pfl/federation/newcomers.py)
                 self._dispatch(cid, 0.0)
         losses = []
         for _ in range(self.arrivals_per_round):

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from .messages import Message
 
-DIRECTIONS = ("up", "down", "eval_up", "eval_down")
+DIRECTIONS = ("up", "down", "eval_up", "eval_down", "join_up", "join_down")
 
 
 @dataclass
@@ -28,6 +28,8 @@ class CommLedger:
     down_messages: int = 0
     eval_up_bytes: int = 0
     eval_down_bytes: int = 0
+    join_up_bytes: int = 0
+    join_down_bytes: int = 0
     round_up_bytes: int = 0
     round_down_bytes: int = 0
     per_round: list[tuple[int, int]] = field(default_factory=list)  # (up, down) bytes per finished round
@@ -50,6 +52,10 @@ class CommLedger:
             self.eval_up_bytes += nbytes
         elif direction == "eval_down":
             self.eval_down_bytes += nbytes
+        elif direction == "join_up":
+            self.join_up_bytes += nbytes
+        elif direction == "join_down":
+            self.join_down_bytes += nbytes
         else:
             raise ValueError(f"direction must be one of {', '.join(DIRECTIONS)}, got {direction!r}")
 
@@ -63,7 +69,7 @@ class CommLedger:
 
     def metrics(self) -> dict[str, float]:
         last_up, last_down = self.per_round[-1] if self.per_round else (0, 0)
-        return {
+        out = {
             "comm/up_bytes": float(self.up_bytes),
             "comm/down_bytes": float(self.down_bytes),
             "comm/total_bytes": float(self.total_bytes),
@@ -73,6 +79,10 @@ class CommLedger:
             "comm/eval_up_bytes": float(self.eval_up_bytes),
             "comm/eval_down_bytes": float(self.eval_down_bytes),
         }
+        if self.join_up_bytes or self.join_down_bytes:
+            out["comm/join_up_bytes"] = float(self.join_up_bytes)
+            out["comm/join_down_bytes"] = float(self.join_down_bytes)
+        return out
 
     def state_dict(self) -> dict:
         return dict(self.__dict__, per_round=list(self.per_round))

@@ -61,6 +61,21 @@ class RunContext:
     meta: FederationMeta
     model: torch.nn.Module
     device: torch.device
+    #: clients held out of training that join afterwards (``newcomers.fraction``; drawn from the seed)
+    newcomers: tuple[int, ...] = ()
+
+    @property
+    def members(self) -> list[int]:
+        """The clients that take part in training (all but the newcomers), ascending."""
+        if not self.newcomers:
+            return list(range(self.meta.num_clients))
+        held = set(self.newcomers)
+        return [c for c in range(self.meta.num_clients) if c not in held]
+
+    @property
+    def num_members(self) -> int:
+        """How many clients take part in training (the federation's size during training)."""
+        return self.meta.num_clients - len(self.newcomers)
 
     @property
     def seed(self) -> int:

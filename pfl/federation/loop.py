@@ -2,7 +2,9 @@
 
 ``RoundLoop(sim, callbacks).run(until)`` runs rounds until ``until`` (default:
 ``federation.rounds``) or until a callback raises :class:`StopTraining` (diverged: ``FAILED``; a
-pipeline's schedule is done: ``FINISHED``). Every path through ``pfl run``, the Ray Tune
+pipeline's schedule is done: ``FINISHED``). When the round budget is reached, the newcomers (if the
+config holds some) join (:meth:`Simulator.join_newcomers`) and their ``newcomer/*`` metrics go into
+``summary``. Every path through ``pfl run``, the Ray Tune
 trainables (the FPFC λ path included) and the comparison pipelines is this loop with a different
 list of callbacks. Callbacks are called in list order; a callback that adds to the round's metrics
 (the λ path's stage records) comes before those that log them.
@@ -117,6 +119,8 @@ class RoundLoop:
                         stop = stop or request
                 if stop is not None:
                     raise stop
+            if sim.round >= sim.cfg.federation.rounds:  # training done: newcomers join (if any)
+                self.summary.update(sim.join_newcomers())
             result = LoopResult("FINISHED")
         except StopTraining as stop:
             result = LoopResult(stop.status, stop.reason)

@@ -6,6 +6,10 @@ callbacks (tracking, checkpoints, Tune reports, progress, divergence). Every ran
 from a generator seeded by (seed, round, client, purpose), so a run resumed from a checkpoint
 continues exactly as the uninterrupted run would have.
 
+Byzantine clients (``attack.*``, :mod:`.attacks`) are an uplink transform; the evaluation summary
+is then over the benign clients. Newcomers (``newcomers.*``, :mod:`.newcomers`) are held out of
+sampling and evaluation until :meth:`Simulator.join_newcomers` lets them join after the last round.
+
 Two round counters: ``round`` is the model lineage's round (it seeds the generators, drives the
 learning-rate schedule and is set back when a pipeline restores an earlier model state, as the λ
 path's playoff does); ``executed`` counts the rounds this run has computed and never decreases (the
@@ -76,7 +80,16 @@ def simulator_for(cfg):
 
 
 def config_differences(saved: dict, current: dict) -> dict[str, tuple[Any, Any]]:
-    """Keys whose values differ between two resolved configs, except :data:`RESUMABLE_CHANGES`."""
+    """Keys whose values differ between two resolved configs, except :data:`RESUMABLE_CHANGES`.
+
+    A key the saved config lacks counts with its default (a checkpoint written before a setting
+    existed, e.g. ``attack.*`` or ``method.aggregator``, ran with what is now its default)."""
+    try:
+        from ..config import resolve
+
+        saved = resolve(saved).to_dict()
+    except ConfigError:
+        pass  # not a config this version accepts: compare it as it is
     a, b = flatten(saved), flatten(current)
     out = {}
     for key in sorted(set(a) | set(b)):
@@ -102,7 +115,15 @@ class Simulator:
         torch.manual_seed(cfg.seed)  # only model construction; all later draws use derived generators
         model = build_model(cfg.model.name, cfg.model.params, self.data.input_shape,
                             self.data.num_classes).to(self.device)
-        self.ctx = RunContext(cfg=cfg, meta=FederationMeta.of(self.data), model=model, device=self.device)
+        from .attacks import malicious_clients
+        from .newcomers import newcomer_clients
+
+        m = len(self.data.clients)
+        self.ctx = RunContext(cfg=cfg, meta=FederationMeta.of(self.data), model=model, device=self.device,
+                              newcomers=newcomer_clients(cfg, m))
+        self.malicious: frozenset[int] = frozenset(malicious_clients(cfg, m))
+        self.newcomers_joined = False          # the newcomers have joined (evaluated with everyone)
+        self.join_result: dict | None = None   # their metrics, once joined
         method_cls = get_method(cfg.method.name)
         self.method: Method
         self.client_role: Method
@@ -172,12 +193,14 @@ class Simulator:
         self.client_states[cid] = to_device(handle.state, self.state_device)
 
     def sample(self, rnd: int) -> list[int]:
+        """The clients of round ``rnd``: ``clients_per_round`` of the members (newcomers never)."""
         k = self.cfg.federation.clients_per_round
-        m = self.num_clients
+        members = self.ctx.members
+        m = len(members)
         if k == 0 or k >= m:
-            return list(range(m))
+            return members
         rng = self.ctx.rng(rnd, "sample")
-        return sorted(int(i) for i in rng.choice(m, size=k, replace=False))
+        return sorted(members[int(i)] for i in rng.choice(m, size=k, replace=False))
 
     def deliver(self, msg: Message | None, direction: str, rnd: int, cid: int) -> Message | None:
         """The receiver's copy of ``msg`` after the transforms, counted by the ledger (a training
@@ -306,8 +329,8 @@ class Simulator:
         self.method.begin_eval(rnd, final)
         task, with_global = self.data.task, self.cfg.federation.eval_global
         rows, replies = [], {}
+        cids = self.evaluation_clients()  # the members (and the newcomers once they joined)
         if self.vectorized:
-            cids = list(range(self.num_clients))
             msgs = {cid: self.deliver(self.method.eval_message(rnd, cid), "eval_down", rnd, cid) for cid in cids}
 
             def plan_and_row(client: ClientHandle):
@@ -319,26 +342,69 @@ class Simulator:
         else:
             exchanged = [self._eval_exchange(rnd, cid, lambda client, plan: evaluate_plan(client, plan, task,
                                                                                        with_global))[1:]
-                         for cid in range(self.num_clients)]
-        for cid, (reply, row) in enumerate(exchanged):
+                         for cid in cids]
+        for cid, (reply, row) in zip(cids, exchanged):
             if reply is not None:
                 replies[cid] = reply
-            rows.append(row)
+            rows.append(self._mark(row))
         self.method.eval_aggregate(rnd, replies)
         self.last_client_table = rows
-        metrics = summarize(rows, task)
+        metrics = summarize(self.summary_rows(rows), task)
+        if self.malicious:
+            metrics["attack/benign_clients"] = float(len(self.summary_rows(rows)))
         metrics.update(self.method.extra_metrics(rnd, final=final))
         return metrics
+
+    # -- who is evaluated and summarised (attacks, newcomers) --
+    def evaluation_clients(self) -> list[int]:
+        """The clients evaluated now: the members, and the newcomers once they have joined."""
+        return list(range(self.num_clients)) if self.newcomers_joined else self.ctx.members
+
+    def summary_rows(self, rows: list[dict]) -> list[dict]:
+        """The rows ``test/*``, ``val/*``, ``global/*`` summarise: benign members (malicious clients
+        and newcomers are reported apart)."""
+        if not self.malicious and not self.ctx.newcomers:
+            return rows
+        return [r for r in rows if not r.get("malicious") and not r.get("newcomer")]
+
+    def _mark(self, row: dict) -> dict:
+        if self.malicious:
+            row["malicious"] = int(row["client"] in self.malicious)
+        if self.ctx.newcomers:
+            row["newcomer"] = int(row["client"] in set(self.ctx.newcomers))
+        return row
+
+    def join_newcomers(self) -> dict[str, float]:
+        """After the last round: the newcomers join by the method's rule; their ``newcomer/*``
+        metrics (empty without newcomers; see :mod:`pfl.federation.newcomers`)."""
+        from .newcomers import join_newcomers
+
+        return join_newcomers(self)
+
+    def artifacts(self, outdir: str | Path) -> list[Path]:
+        """Run-level artifacts: ``attack_malicious.csv`` (the malicious ids) and
+        ``newcomers.csv`` (the newcomer ids) when there are any."""
+        out = []
+        true = self.ctx.meta.true_clusters
+        for name, ids in (("attack_malicious.csv", sorted(self.malicious)),
+                          ("newcomers.csv", list(self.ctx.newcomers))):
+            if ids:
+                path = Path(outdir) / name
+                lines = ["client,true_cluster,n_train"] + [
+                    f"{c},{-1 if true is None else int(true[c])},{self.ctx.meta.client_sizes[c]}" for c in ids]
+                path.write_text("\n".join(lines) + "\n")
+                out.append(path)
+        return out
 
     def evaluate_models(self, model_of: Callable[[int], dict[str, torch.Tensor]], name: str) -> dict[str, float]:
         """``<name>_acc`` (``<name>_rmse``): server-side models, one per client (``model_of(cid)``),
         sent to the clients (counted as evaluation traffic) and tested on their test splits."""
         rnd, task, rows = self.round - 1, self.data.task, []
-        for cid in range(self.num_clients):
+        for cid in self.evaluation_clients():
             msg = self.deliver(Message.of(model_of(cid)), "eval_down", rnd, cid)
             with self._as_client(cid) as client:
-                rows.append(evaluate_plan(client, EvalPlan(msg.tensors()), task, False))
-        summary = summarize(rows, task)
+                rows.append(self._mark(evaluate_plan(client, EvalPlan(msg.tensors()), task, False)))
+        summary = summarize(self.summary_rows(rows), task)
         if task == "classification":
             return {f"{name}_acc": summary["test/acc_mean"]} if "test/acc_mean" in summary else {}
         return {f"{name}_rmse": summary["test/rmse_mean"]} if "test/rmse_mean" in summary else {}
@@ -348,7 +414,7 @@ class Simulator:
         rnd = self.round - 1
         self.method.begin_eval(rnd, False)
         out = {}
-        for cid in range(self.num_clients) if cids is None else cids:
+        for cid in self.evaluation_clients() if cids is None else cids:
             plan, _, _ = self._eval_exchange(rnd, cid)
             out[cid] = plan.personal
         return out
@@ -376,7 +442,8 @@ class Simulator:
     def model_state(self) -> dict:
         """What a model lineage is: its round, hyperparameters, server state and client states."""
         state = {"round": self.round, "hparams": to_dict(self.method.hp),
-                 "server": self.method.server_state(), "clients": self.client_states}
+                 "server": self.method.server_state(), "clients": self.client_states,
+                 "newcomers": {"joined": self.newcomers_joined, "result": self.join_result}}
         codec = self.codec.state_dict()
         if codec:  # the server's downlink mirrors (compression.downlink)
             state["codec"] = codec
@@ -389,6 +456,9 @@ class Simulator:
         self.method.load_server_state(tree_map(lambda t: t if t.device.type == "cpu" else t.to(self.device),
                                                state["server"]))
         self.client_states = [to_device(s, self.state_device) for s in state["clients"]]
+        join = state.get("newcomers") or {}
+        self.newcomers_joined = bool(join.get("joined", False))
+        self.join_result = join.get("result")
         self.codec.load_state_dict(to_device(state.get("codec", {}), self.device))
 
     def snapshot(self) -> dict:

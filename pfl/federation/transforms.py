@@ -29,7 +29,13 @@ def register_transform_factory(name: str, factory: TransformFactory, order: int 
     _FACTORIES.sort(key=lambda f: (f[0], f[1]))
 
 
+def _load_builtin() -> None:
+    """Import the modules that register the built-in factories (attacks)."""
+    from . import attacks  # noqa: F401
+
+
 def build_transforms(cfg: "ExperimentConfig", ctx: "RunContext") -> list["Transform"]:
+    _load_builtin()
     out: list = []
     for _, _, factory in _FACTORIES:
         out.extend(factory(cfg, ctx))

@@ -17,6 +17,14 @@ A method class is instantiated twice per run, once for each side of the wire
   (hyperparameters and static config, its own :class:`ClientHandle`: data, persistent state,
   generators, and the delivered message) → (reply, new ``client.state``). It cannot read the
   server's state (there is none on its object) nor another client's (the handle holds one client).
+* **newcomers** (``newcomers.fraction`` > 0: clients held out of training join after the last
+  round, docs/methods/fpfc.md §8) — server side :meth:`join_begin`, :meth:`join_active`,
+  :meth:`join_message`, :meth:`join_aggregate`; client side :meth:`join_update`. The default rule
+  needs no join step: a newcomer is evaluated with what :meth:`eval_message` sends (FedAvg: the
+  final global model; IFCA: the K models, of which it picks the lowest-loss one). Methods with
+  another rule override them (:class:`FineTuneNewcomers` is the "fine-tune the global model" rule);
+  the driver is :mod:`pfl.federation.newcomers`. During training a server sizes its federation by
+  ``ctx.members`` (the newcomers are not in it).
 
 Every server → client and client → server transfer is a :class:`~pfl.federation.messages.Message`
 that the simulator copies and counts, evaluation-time transfers included (booked as
@@ -109,6 +117,12 @@ class Method:
     description: ClassVar[str] = ""
     # the server step is correct for one reply at a time (federation.driver=async)
     supports_async: ClassVar[bool] = False
+    # the training uplink carries model content (a model, an update, a data basis) that a Byzantine
+    # client can replace (pfl/federation/attacks.py); False refuses attack.kind for this method
+    attackable_uplink: ClassVar[bool] = True
+    uplink_note: ClassVar[str] = "model parameters"
+    # one line: how a newcomer joins after training (README, pipelines/newcomers.py)
+    newcomer_rule: ClassVar[str] = "evaluated with what the server sends for evaluation"
     #: how ``federation.cohort: auto`` runs its clients: "vectorized" (their training and evaluation
     #: requests batched, pfl.federation.cohort) or "sequential" (hooks with data-dependent control
     #: flow, e.g. Per-FedAvg's extra minibatches, PerFed-CKT's public-set batches)
@@ -204,6 +218,30 @@ class Method:
             return {}
         return {k: received[k] for k in reply.entries if k in received}
 
+    def cluster_assignment(self) -> dict[int, int] | None:
+        """Clustered methods: the cluster each client in the federation is in now (None: no clusters)."""
+        return None
+
+    # ---- server side: newcomers (after the last training round) ---------------------------------
+    def join_begin(self, rnd: int, newcomers: list[int]) -> None:
+        """The ``newcomers`` are about to join; ``rnd`` is the first join step's round number."""
+
+    def join_active(self, step: int) -> list[int]:
+        """The newcomers that take part in join step ``step`` (none: the join phase is over)."""
+        return []
+
+    def join_message(self, rnd: int, step: int, cid: int) -> Message | None:
+        """The downlink to newcomer ``cid`` at join step ``step`` (round number ``rnd``)."""
+        return None
+
+    def join_aggregate(self, rnd: int, step: int, replies: dict[int, Message]) -> None:
+        """Receive the newcomers' delivered uploads of one join step."""
+
+    # ---- client side: newcomers ----------------------------------------------------------------
+    def join_update(self, rnd: int, step: int, client: ClientHandle, msg: Message | None) -> Message | None:
+        """A newcomer's work at join step ``step``: update ``client.state``, return the upload."""
+        return None
+
     # ---- client side ---------------------------------------------------------------------------
     def init_client(self, client: ClientHandle) -> None:
         """Initialise ``client.state`` (called once per client, before round 0)."""
@@ -246,3 +284,36 @@ class Method:
 
 def hparams_dict(hp: Any) -> dict[str, Any]:
     return dataclasses.asdict(hp) if dataclasses.is_dataclass(hp) else {}
+
+
+class FineTuneNewcomers:
+    """Newcomer rule "fine-tune the final global model" (docs/methods/fpfc.md §8: LG and Per-FedAvg).
+
+    Join step 0 sends the server's ``global_model`` (every tensor); the newcomer trains it with the
+    shared local-SGD loop for one local update per join step (``newcomers.finetune_rounds`` of them)
+    and is evaluated with the result (``client.state["joined"]``; with 0 steps: the model itself).
+    Nothing is uploaded.
+    """
+
+    newcomer_rule: ClassVar[str] = "fine-tunes the final global model (newcomers.finetune_rounds local updates)"
+
+    def join_active(self, step: int) -> list[int]:
+        steps = max(1, self.ctx.cfg.newcomers.finetune_rounds)  # type: ignore[attr-defined]
+        return list(self.ctx.newcomers) if step < steps else []  # type: ignore[attr-defined]
+
+    def join_message(self, rnd: int, step: int, cid: int) -> Message | None:
+        return Message.of(dict(self.global_model)) if step == 0 else None  # type: ignore[attr-defined]
+
+    def join_update(self, rnd: int, step: int, client: ClientHandle, msg: Message | None) -> Message | None:
+        start = msg.tensors() if step == 0 else client.state["joined"]
+        if self.ctx.cfg.newcomers.finetune_rounds == 0:  # type: ignore[attr-defined]
+            client.state["joined"] = dict(start)
+            return None
+        client.state["joined"] = client.train(start, rnd, tag="join").params
+        return None
+
+    def eval_plan(self, rnd: int, client: ClientHandle, msg: Message | None) -> EvalPlan:
+        if "joined" not in client.state:
+            return super().eval_plan(rnd, client, msg)  # type: ignore[misc]
+        glob = self.decode(msg) if msg is not None and msg.info.get(GLOBAL) else None  # type: ignore[attr-defined]
+        return EvalPlan(client.state["joined"], global_model=glob)

@@ -14,6 +14,13 @@ cluster with one model). A sampled client trains from its cluster's model and re
 * Every cluster then adds the mean update of its participants (unweighted, as the reference;
   ``weighting: samples`` weights by training-set size).
 
+Newcomers (clients that join after training, docs/methods/fpfc.md §8 "CFL ... as their paper"): the server
+keeps, for every split, the cluster's model before the split and the mean unit updates of its two
+sides. A newcomer starts at the root: it receives the cached pre-split model, trains from it, sends
+its update, and the server moves it to the side whose mean update is closest in cosine — the tree
+traversal of Sattler et al.; one join step per level, until it reaches a cluster, whose model it is
+evaluated with.
+
 Decisions where the spec is silent or where we deviate from the reference code:
 
 * The split's labels are indices into the cluster's list of participants and are mapped back through
@@ -86,6 +93,14 @@ def split_members(members: list[int], participants: list[int], updates: torch.Te
     ``participants`` index the rows of ``updates``; the sub-labels are mapped back through it, so the
     result holds client ids whatever subset of clients the cluster is.
     """
+    left, right, _ = split_with_centres(members, participants, updates, last_update)
+    return left, right
+
+
+def split_with_centres(members: list[int], participants: list[int], updates: torch.Tensor,
+                       last_update: dict[int, torch.Tensor]) -> tuple[list[int], list[int], torch.Tensor]:
+    """:func:`split_members` and the two sides' mean unit updates (2, d), the directions a newcomer's
+    update is compared with."""
     labels = bipartition(updates)
     sides: list[list[int]] = [[], []]
     for row, cid in enumerate(participants):
@@ -102,7 +117,7 @@ def split_members(members: list[int], participants: list[int], updates: torch.Te
             sides[larger].append(cid)
         else:
             sides[int(torch.argmax(centre @ last.to(centre)))].append(cid)
-    return sorted(sides[0]), sorted(sides[1])
+    return sorted(sides[0]), sorted(sides[1]), centre
 
 
 @register
@@ -113,13 +128,20 @@ class CFL(Method):
     metric_names = ("cluster/num", "cluster/ari", "cfl/mean_norm", "cfl/max_norm")
 
     def setup(self) -> None:
-        self.clusters: list[list[int]] = [list(range(self.ctx.num_clients))]
+        self.clusters: list[list[int]] = [list(self.ctx.members)]
         self.models: list[Params] = [self.ctx.init_params()]
         self.last_update: dict[int, torch.Tensor] = {}
         self.stats: dict[str, float] = {}
+        # the split tree, for newcomers: stable ids of the clusters, and per split cluster id its
+        # model before the split, its two sides' mean unit updates and the ids of the two sides
+        self.cluster_ids: list[int] = [0]
+        self.next_id = 1
+        self.tree: dict[int, dict] = {}
+        self.join_node: dict[int, int] = {}  # newcomer -> the tree node it has reached
 
     def cluster_of(self) -> np.ndarray:
-        """Every client's cluster index (cached until the partition changes)."""
+        """Every client's cluster index, -1 for a client in no cluster (a newcomer before it joins;
+        cached until the partition changes)."""
         key = tuple(map(tuple, self.clusters))
         if getattr(self, "_assign_key", None) != key:
             labels = np.full(self.ctx.num_clients, -1, dtype=int)
@@ -141,16 +163,21 @@ class CFL(Method):
         if not replies:
             return
         names = list(self.models[0])
+        if len(self.cluster_ids) != len(self.clusters):  # a partition set from outside: fresh ids
+            self.cluster_ids = list(range(self.next_id, self.next_id + len(self.clusters)))
+            self.next_id += len(self.clusters)
         flat = {cid: flatten_params(r.tensors(), names) for cid, r in replies.items()}
         n = {cid: r.info["n"] for cid, r in replies.items()}
         new_clusters: list[list[int]] = []
         new_models: list[Params] = []
+        new_ids: list[int] = []
         best = -1
         for c, members in enumerate(self.clusters):
             part = [cid for cid in members if cid in flat]
             if not part:
                 new_clusters.append(members)
                 new_models.append(self.models[c])
+                new_ids.append(self.cluster_ids[c])
                 continue
             updates = torch.stack([flat[cid] for cid in part])
             mean_norm = float(updates.mean(0).norm())
@@ -160,13 +187,21 @@ class CFL(Method):
                 self.stats = {"cfl/mean_norm": mean_norm, "cfl/max_norm": max_norm}
             split = (rnd >= self.hp.start_round and mean_norm < self.hp.eps1 and max_norm > self.hp.eps2
                      and len(members) > self.hp.min_size and len(part) >= 2)
-            groups = list(split_members(members, part, updates, self.last_update)) if split else [members]
-            for group in groups:
+            if split:
+                left, right, centre = split_with_centres(members, part, updates, self.last_update)
+                groups, ids = [left, right], [self.next_id, self.next_id + 1]
+                self.tree[self.cluster_ids[c]] = {"model": {k: v.clone() for k, v in self.models[c].items()},
+                                                  "centres": centre.clone(), "children": list(ids)}
+                self.next_id += 2
+            else:
+                groups, ids = [members], [self.cluster_ids[c]]
+            for group, gid in zip(groups, ids):
                 if not group:
                     continue
                 new_clusters.append(group)
                 new_models.append(self._step(self.models[c], group, flat, n, names))
-        self.clusters, self.models = new_clusters, new_models
+                new_ids.append(gid)
+        self.clusters, self.models, self.cluster_ids = new_clusters, new_models, new_ids
         for cid, vec in flat.items():
             self.last_update[cid] = vec
 
@@ -181,11 +216,57 @@ class CFL(Method):
         return {k: model[k] + step[k] for k in model}
 
     def eval_message(self, rnd: int, cid: int) -> Message:
-        """A client is evaluated with its cluster's model."""
+        """A client is evaluated with its cluster's model (a newcomer: once it has joined one)."""
         return Message.of(self.models[int(self.cluster_of()[cid])])
 
+    def cluster_assignment(self) -> dict[int, int]:
+        labels = self.cluster_of()
+        return {cid: int(labels[cid]) for cid in range(len(labels)) if labels[cid] >= 0}
+
     def extra_metrics(self, rnd: int, final: bool = False) -> dict[str, float]:
-        return {**assignment_metrics(self.cluster_of(), self.ctx.meta), **self.stats}
+        found = self.cluster_assignment()
+        return {**assignment_metrics(list(found.values()), self.ctx.meta, list(found)), **self.stats}
 
     def artifacts(self, outdir: str) -> list[str]:
-        return [write_assignment_table(outdir, "cfl_assignments.csv", self.cluster_of(), self.ctx.meta)]
+        found = self.cluster_assignment()
+        return [write_assignment_table(outdir, "cfl_assignments.csv", list(found.values()), self.ctx.meta,
+                                       list(found))]
+
+    # ---- newcomers: down the split tree (Sattler et al.) ----------------------------------------
+    newcomer_rule = ("descends the split tree: at each split it computes its update from the cached pre-split "
+                     "model and follows the side whose mean update is closest in cosine")
+
+    def join_begin(self, rnd: int, newcomers: list[int]) -> None:
+        self.join_node = {cid: 0 for cid in sorted(newcomers)}  # the root: the first cluster's id
+        self._place_arrived()
+
+    def join_active(self, step: int) -> list[int]:
+        return [cid for cid, node in self.join_node.items() if node in self.tree]
+
+    def join_message(self, rnd: int, step: int, cid: int) -> Message:
+        return Message.of(self.tree[self.join_node[cid]]["model"])
+
+    def join_update(self, rnd: int, step: int, client: ClientHandle, msg: Message | None) -> Message:
+        return self.local_update(rnd, client, msg)
+
+    def join_aggregate(self, rnd: int, step: int, replies: dict[int, Message]) -> None:
+        for cid, reply in sorted(replies.items()):
+            node = self.tree[self.join_node[cid]]
+            names = list(node["model"])
+            update = flatten_params(reply.tensors(), names)
+            side = int(torch.argmax(node["centres"] @ (update / update.norm().clamp_min(1e-12)).to(node["centres"])))
+            self.join_node[cid] = node["children"][side]
+        self._place_arrived()
+
+    def _place_arrived(self) -> None:
+        """Newcomers that reached a leaf (an existing cluster) become its members."""
+        for cid, node in self.join_node.items():
+            if node in self.tree or any(cid in members for members in self.clusters):
+                continue
+            # a leaf is a live cluster (both sides of a split have members, nobody leaves); only a
+            # partition set from outside the method has lost its tree: then the largest cluster
+            if node in self.cluster_ids:
+                members = self.clusters[self.cluster_ids.index(node)]
+            else:
+                members = max(self.clusters, key=len)
+            members.append(cid)

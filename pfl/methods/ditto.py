@@ -13,7 +13,8 @@ sampled are evaluated with θ^0, as in the paper's protocol. Evaluation uses v_k
 
 λ → ∞ makes v_k track θ^t; λ = 0 makes v_k a Local model (trained only when sampled).
 Defaults: λ = 0.1 (FedSLR-tuned), one personal epoch, personal lr = the client lr.
-Traffic equals FedAvg's.
+Traffic equals FedAvg's. A newcomer (after training) receives the final θ^T and trains its personal
+model from it with the same proximal pull for ``newcomers.finetune_rounds`` personal tasks.
 """
 
 from __future__ import annotations
@@ -71,3 +72,22 @@ class Ditto(FedAvg):
 
     def personal_params(self, rnd: int, client: ClientHandle, received: Params | None) -> Params:
         return client.state.get("personal", self.init)
+
+    # newcomers: the personal task against the final global model, from it, once per join step
+    newcomer_rule = ("trains its personal model from the final global model with Ditto's pull "
+                     "(newcomers.finetune_rounds personal tasks)")
+
+    def join_active(self, step: int) -> list[int]:
+        return list(self.ctx.newcomers) if step < self.ctx.cfg.newcomers.finetune_rounds else []
+
+    def join_message(self, rnd: int, step: int, cid: int) -> Message | None:
+        return Message.of(self.global_model) if step == 0 else None
+
+    def join_update(self, rnd: int, step: int, client: ClientHandle, msg: Message | None) -> None:
+        if step == 0:
+            client.state["join_anchor"] = msg.tensors()
+            client.state["personal"] = dict(client.state["join_anchor"])
+        anchor = client.state["join_anchor"]
+        personal = client.train(client.state["personal"], rnd, **self.personal_kwargs(client, anchor, rnd))
+        client.state["personal"] = personal.params
+        return None

@@ -2,6 +2,11 @@
 
 FedAvg (McMahan et al. 2017): sampled clients train from the global model; the server moves the
 global model by ``server_lr`` towards the (sample-weighted) average of the returned models.
+
+Every method of this family (and FedOpt, pFedMe, the partial-sharing methods) combines the replies
+in one place, :meth:`FedAvg.reply_average`, and shares the :class:`~pfl.aggregation.RobustAggregation`
+hyperparameters: ``method.aggregator=median`` (or ``trimmed_mean``, ``krum``) makes any of them a
+Byzantine-robust variant; ``mean`` is the plain (weighted) average.
 """
 
 from __future__ import annotations
@@ -9,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..aggregation import weighted_average
+from ..aggregation import RobustAggregation, aggregate
 from ..federation.messages import Message
 from ..schema import hp
 from ..training import Params, proximal_pull
@@ -18,8 +23,8 @@ from .base import ClientHandle, Method
 
 
 @dataclass
-class FedAvgHparams:
-    """FedAvg's server step."""
+class FedAvgHparams(RobustAggregation):
+    """FedAvg's server step (and how the replies are combined: mean or a robust rule)."""
     server_lr: float = hp(1.0, "server step size η_g (1 = plain weighted average)", low=0.0, low_open=True)
     weighting: str = hp("samples", "average weights: by client training-set size or uniform",
                         choices=("samples", "uniform"))
@@ -30,6 +35,7 @@ class FedAvg(Method):
     name = "fedavg"
     Hparams = FedAvgHparams
     description = "Federated averaging (McMahan et al. 2017)"
+    newcomer_rule = "is evaluated with the final global model"
 
     def setup(self) -> None:
         self.global_model: Params = self.ctx.init_params()
@@ -50,11 +56,12 @@ class FedAvg(Method):
         result = client.train(self.start_params(client, received), rnd, **self.train_kwargs(client, received))
         return Message.of(result.params, train_loss=result.mean_loss, n=client.n_train)
 
-    def reply_average(self, replies: dict[int, Message]) -> Params:
-        """Average of the returned models, weighted as ``weighting`` says."""
+    def reply_average(self, replies: dict[int, Message], names: list[str] | None = None) -> Params:
+        """The returned models (their tensors ``names``, default all) combined as ``aggregator`` says:
+        the mean weighted as ``weighting`` says, or a robust rule (unweighted)."""
         models = [r.tensors() for r in replies.values()]
         weights = ([r.info["n"] for r in replies.values()] if self.hp.weighting == "samples" else None)
-        return weighted_average(models, weights)
+        return aggregate(models, weights, self.hp, names=names, attack_fraction=self.ctx.cfg.attack.fraction)
 
     def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
         if not replies:
@@ -99,6 +106,7 @@ class FedAvgFT(FedAvg):
     name = "fedavg_ft"
     Hparams = FedAvgFTHparams
     description = "FedAvg + local fine-tuning before evaluation"
+    newcomer_rule = "fine-tunes the final global model for ft_epochs (its evaluation rule)"
 
     def personal_params(self, rnd: int, client: ClientHandle, received: Params | None) -> Params:
         # the global model arrives with the evaluation message; fine-tuning is the client's work

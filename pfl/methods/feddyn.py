@@ -77,7 +77,7 @@ class FedDyn(FedAvg):
         models = [r.tensors() for r in replies.values()]
         mean = weighted_average(models)
         alpha = self.hp.alpha
-        share = len(models) / self.ctx.num_clients  # (1/N)·Σ_{S_t} = (|S_t|/N)·mean_{S_t}
+        share = len(models) / self.ctx.num_members  # (1/N)·Σ_{S_t} = (|S_t|/N)·mean_{S_t}
         old = self.global_model
         self.h = {k: v - alpha * share * (mean[k] - old[k]) for k, v in self.h.items()}
         self.global_model = {k: mean[k] - self.h[k] / alpha for k in old}

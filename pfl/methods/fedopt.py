@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..aggregation import zeros_like
+from ..aggregation import RobustAggregation, zeros_like
 from ..federation.messages import Message
 from ..schema import hp
 from ..training import Params
@@ -36,7 +36,7 @@ RULES = ("adam", "adagrad", "yogi", "momentum")
 
 
 @dataclass
-class FedOptHparams:
+class FedOptHparams(RobustAggregation):
     """The server optimiser of FedOpt (clients are plain FedAvg)."""
     optimizer: str = hp("adam", "server update rule", choices=RULES)
     server_lr: float = hp(0.01, "server step size η", low=0.0, low_open=True)

@@ -175,7 +175,7 @@ class FedSLR(Method):
         if not replies:
             return
         hp_ = self.hp
-        eta, n = hp_.eta, self.ctx.num_clients
+        eta, n = hp_.eta, self.ctx.num_members  # the federation's size (newcomers join after training)
         cids = list(replies)
         models = [replies[c].tensors() for c in cids]
         mean_w = weighted_average(models)
@@ -186,7 +186,8 @@ class FedSLR(Method):
             if self.gamma_all is not None:
                 idx = torch.as_tensor(cids, device=wk.device)
                 self.gamma_all[k][idx] += steps / eta
-                gamma_avg = self.gamma_all[k].mean(dim=0)
+                gamma = self.gamma_all[k]
+                gamma_avg = (gamma[self.ctx.members] if self.ctx.newcomers else gamma).mean(dim=0)
             else:
                 self.gamma_mean[k] += steps.sum(dim=0) / (n * eta)
                 gamma_avg = self.gamma_mean[k]

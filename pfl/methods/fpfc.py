@@ -21,6 +21,26 @@ the n_i-weighted average of the uploaded models of its component. ``test/acc_mea
 with each device's own w_i (the personalised models); ``fpfc/readout_acc`` with the read-out
 models (computed at the last evaluation, or at every one with ``readout_every_eval``).
 
+Newcomers (spec §8; ``newcomers.fraction`` > 0): during training the federation is the members only
+(ζ averages over them, pairs to newcomers stay θ = v = 0). After the last round each newcomer trains
+alone (``newcomers.local_rounds`` local updates from the common start), uploads, and then runs
+newcomer-only ADMM rounds against the frozen trained devices (A_k = {newcomer}; its pairs to the other
+newcomers never exist) until its upload changes by less than ``newcomers.tol`` (relative) or
+``newcomers.rounds`` steps. ``join_start: fused`` (default, ours) starts its pair rows at θ = v = 0 as
+Algorithm 1 starts every pair, so its first ζ is the federation's average; the paper's wording read
+literally (``upload``: θ, v computed from the first upload) leaves any newcomer whose local model is
+farther than aλ from every trained device in SCAD's flat region — no pull, a cluster of its own —
+which on S1 after 200 rounds (λ = 0.6, clusters ≈ 3 from the start) is 45 % of the newcomers
+(ARI over all devices 0.87, vs 0.96 fused). The read-out places newcomers by the same ν.
+
+Under a Byzantine attack (:mod:`pfl.federation.attacks`) a malicious upload w_b far from w_i falls in
+SCAD's flat region: θ_ib = w_i − w_b, v_ib = 0, and its term in ζ_i is w_i itself — the attacker
+only dilutes the honest pull (bounded influence). FPFC-L1 has no flat region: every far attacker
+keeps a pull of size λ towards it. What SCAD does not protect: a shared body averaged by a plain mean
+(``shared_layers: body``; use ``aggregator: median`` etc.), and the attacker's own ζ_b, which echoes
+its upload (ζ_b ≈ w_b): an attacker that computes honestly from it uploads a garbage body even when
+only its head is rewritten (``attack.scope: head``).
+
 Registered names: ``fpfc`` and ``fpfc_l1`` (the same class; only the defaults differ: penalty l1,
 λ = 0.2, ν = 4 as in the official README). asyncFPFC is not a separate method: it is this method
 run by :class:`pfl.federation.async_clock.AsyncSimulator` (``pipelines/reproduce_fpfc.py``'s
@@ -49,8 +69,10 @@ Decisions where the spec is silent or leaves a choice (``[ours]``):
 * the server learns n_i from each upload's control data (used only for the read-out weights;
   devices never seen count with weight 1);
 * ``shared_layers: body``: the model's last unit is clustered, the rest is averaged (unweighted,
-  over A) FedAvg-style. The server sends the current body average with ζ_i and every device is
-  evaluated with it. ``stale_body: true`` instead gives each device the average of the last round
+  over A) FedAvg-style — or combined by a robust rule (``aggregator: median`` etc., the
+  hyperparameters every global method shares): the SCAD penalty protects only the clustered part,
+  so under an attack on the body a plain mean lets the attackers poison every device's body. The
+  server sends the current body average with ζ_i and every device is evaluated with it. ``stale_body: true`` instead gives each device the average of the last round
   it took part in (the official code's behaviour, §2.5);
 * ``init_std > 0`` initialises every parameter i.i.d. N(0, init_std²) as the official synthetic
   code does (N(0, 1)); 0 keeps the model zoo's PyTorch-style initialisation. All devices start
@@ -72,7 +94,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from ..aggregation import weighted_average
+from ..aggregation import RobustAggregation, aggregate
 from ..evaluation import cluster_metrics, connected_components, silhouette_threshold, write_assignment_table
 from ..federation.messages import Message
 from ..models import flatten_params, layer_groups, unflatten_params
@@ -87,8 +109,9 @@ READOUT = "readout/"  # evaluation-message prefix of a device's read-out model
 
 
 @dataclass
-class FPFCHparams:
-    """FPFC's penalty, ADMM and read-out settings (docs/methods/fpfc.md §1–§3, §6)."""
+class FPFCHparams(RobustAggregation):
+    """FPFC's penalty, ADMM and read-out settings (docs/methods/fpfc.md §1–§3, §6); ``aggregator`` & co.
+    combine the shared body (``shared_layers: body``) as the global methods combine their models."""
     lam: float = hp(0.8, "fusion penalty λ (S1 from the official N(0,1) start: 0.8; README: synthetic 0.6, MNIST 0.4)",
                     low=0.0)
     rho: float = hp(1.0, "augmented-Lagrangian penalty ρ (SCAD needs (a−1)·ρ > 1)", low=0.0, low_open=True)
@@ -109,11 +132,21 @@ class FPFCHparams:
     init_std: float = hp(0.0, "> 0: every parameter starts N(0, init_std²) (official synthetic code: 1); "
                          "0: the model's default initialisation", low=0.0)
     readout_every_eval: bool = hp(False, "compute fpfc/readout_acc at every evaluation, not only the last")
+    join_start: str = hp("fused", "newcomers: 'fused' starts a newcomer's pairs at θ = v = 0 as Algorithm 1 starts "
+                         "every pair (its first ζ is the federation's average); 'upload' computes them from its "
+                         "first upload (a newcomer farther than aλ from every trained device then stays alone)",
+                         choices=("fused", "upload"))
     clock_c: float = hp(1.0, "simulated time per sample-gradient at speed 1 (time/sim_clock)", low=0.0)
     clock_speed_sigma: float = hp(0.5, "log-std of the simulated device speeds", low=0.0)
     clock_latency: float = hp(0.1, "mean simulated network latency per update", low=0.0)
 
     def validate(self, path: str) -> None:
+        super().validate(path)
+        if self.aggregator != "mean" and self.shared_layers == "none":
+            # the rule combines only the averaged body; SCAD's pairwise fusion is FPFC's own defence
+            raise ConfigError(f"{path}.aggregator", f"{self.aggregator!r} combines FPFC's shared body, and with "
+                                                    "shared_layers=none nothing is averaged: use aggregator=mean, "
+                                                    "or shared_layers=body")
         if self.penalty != "scad":
             return
         if self.xi >= self.lam:
@@ -136,24 +169,34 @@ class FPFCL1Hparams(FPFCHparams):
 
 # ---- server math (module level so tests can compare it with a plain loop) -----------------------
 
-def zeta(W: torch.Tensor, theta: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, rho: float) -> torch.Tensor:
-    """ζ_i = (1/m) Σ_j (w_j + θ_ij − v_ij/ρ) for the rows ``idx`` (θ_ii = v_ii = 0 supply w_i)."""
-    m = W.shape[0]
+def zeta(W: torch.Tensor, theta: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, rho: float,
+         cols: torch.Tensor | None = None) -> torch.Tensor:
+    """ζ_i = (1/m) Σ_j (w_j + θ_ij − v_ij/ρ) for the rows ``idx`` (θ_ii = v_ii = 0 supply w_i).
+
+    ``cols``: the devices j of the federation (default all m; the pairs to other devices must hold
+    θ = v = 0, as they do when :func:`pair_update` is given the same ``cols``).
+    """
     pull = theta.index_select(0, idx).sum(1)
     dual = v.index_select(0, idx).sum(1)
-    return W.mean(0) + (pull - dual / rho) / m
+    if cols is None:
+        return W.mean(0) + (pull - dual / rho) / W.shape[0]
+    return W.index_select(0, cols).mean(0) + (pull - dual / rho) / len(cols)
 
 
 def pair_update(W: torch.Tensor, theta: torch.Tensor, v: torch.Tensor, rows: Sequence[int],
-                prox: Prox, rho: float, mode: str = "once") -> None:
+                prox: Prox, rho: float, mode: str = "once", cols: Sequence[int] | None = None) -> None:
     """In place: θ, v of every pair touching ``rows`` (θ_ij = prox(δ), v_ij += ρ(w_i − w_j − θ_ij)).
 
     ``once`` computes the rows of ``rows`` together and mirrors them into the columns. A pair with
     both ends in ``rows`` appears twice, as (i, j) and (j, i); its two δ are exact negatives and the
     prox is odd, so both give the same (antisymmetric) result and writing either is one update.
     ``official_sequential`` walks the rows in order, each seeing the duals its predecessors wrote.
+    ``cols`` restricts the partners j to those devices (default: all m); the other pairs are left
+    as they are.
     """
-    if mode == "once":
+    if cols is not None:
+        _pair_update_cols(W, theta, v, list(rows), list(cols), prox, rho, mode)
+    elif mode == "once":
         # in-place arithmetic on the gathered rows: the server step is memory-bound
         idx = torch.as_tensor(list(rows), dtype=torch.long, device=W.device)
         diff = W[idx].unsqueeze(1) - W.unsqueeze(0)                  # (|A|, m, p)
@@ -177,6 +220,25 @@ def pair_update(W: torch.Tensor, theta: torch.Tensor, v: torch.Tensor, rows: Seq
             v[:, i] = -new_v
     else:
         raise ValueError(f"unknown pair_update mode {mode!r}; allowed: once, official_sequential")
+
+
+def _pair_update_cols(W: torch.Tensor, theta: torch.Tensor, v: torch.Tensor, rows: list[int], cols: list[int],
+                      prox: Prox, rho: float, mode: str) -> None:
+    """:func:`pair_update` with the partners restricted to ``cols`` (advanced indexing)."""
+    if mode not in ("once", "official_sequential"):
+        raise ValueError(f"unknown pair_update mode {mode!r}; allowed: once, official_sequential")
+    col = torch.as_tensor(cols, dtype=torch.long, device=W.device)
+    groups = [rows] if mode == "once" else [[i] for i in rows]
+    for group in groups:
+        idx = torch.as_tensor(group, dtype=torch.long, device=W.device)
+        diff = W[idx].unsqueeze(1) - W[col].unsqueeze(0)                # (|rows|, |cols|, p)
+        old_v = v[idx[:, None], col[None, :]]
+        new_theta = prox(diff + old_v / rho)
+        new_v = old_v + rho * (diff - new_theta)
+        theta[idx[:, None], col[None, :]] = new_theta
+        v[idx[:, None], col[None, :]] = new_v
+        theta[col[:, None], idx[None, :]] = -new_theta.transpose(0, 1)
+        v[col[:, None], idx[None, :]] = -new_v.transpose(0, 1)
 
 
 def pairwise_norms(theta: torch.Tensor) -> torch.Tensor:
@@ -224,6 +286,8 @@ class FPFC(Method):
         self.body_of = (flatten_params(init, self.shared).unsqueeze(0).repeat(m, 1)
                         if self.shared and self.hp.stale_body else None)
         self.n_seen = torch.zeros(m, dtype=torch.float64, device=w0.device)
+        self.joined: list[int] = []     # newcomers that joined after training (their pairs: to members only)
+        self.settled: list[int] = []    # newcomers whose join has converged
         self.sim_clock = 0.0
         self.external_clock = False  # set by the asynchronous simulator
         self._zeta: dict[int, torch.Tensor] = {}
@@ -243,6 +307,36 @@ class FPFC(Method):
         return lambda delta: scad_prox(delta, hp_.lam, hp_.rho, hp_.xi, hp_.a)
 
     # ---- one round ---------------------------------------------------------------------------
+    # ---- the federation: members (and newcomers after they joined) -----------------------------
+    def _cols(self) -> list[int] | None:
+        """The partners j of the training rounds' pair updates: the members (None: all m devices,
+        the case without newcomers)."""
+        return self.ctx.members if self.ctx.newcomers else None
+
+    def present(self) -> list[int]:
+        """The devices in the federation now: the members and the newcomers that joined."""
+        return sorted(set(self.ctx.members) | set(self.joined))
+
+    def pair_mask(self) -> torch.Tensor | None:
+        """(m, m) bool: pairs that exist (both ends present, not two newcomers); None: all do."""
+        if not self.ctx.newcomers:
+            return None
+        m = self.ctx.num_clients
+        member = torch.zeros(m, dtype=torch.bool, device=self.W.device)
+        member[self.ctx.members] = True
+        joined = torch.zeros(m, dtype=torch.bool, device=self.W.device)
+        joined[self.joined] = True
+        return (member[:, None] & (member | joined)[None, :]) | (joined[:, None] & member[None, :])
+
+    def distances(self) -> torch.Tensor:
+        """‖θ_ij‖ (m, m), with pairs that do not exist at +inf (never linked)."""
+        dist = pairwise_norms(self.theta)
+        mask = self.pair_mask()
+        if mask is not None:
+            dist = dist.masked_fill(~mask, float("inf"))
+            dist.fill_diagonal_(0.0)
+        return dist
+
     def begin_round(self, rnd: int, sampled: list[int]) -> None:
         if not self.external_clock:
             self.sim_clock += max((self.delays.tau(rnd, c) for c in sampled), default=0.0)
@@ -250,7 +344,9 @@ class FPFC(Method):
             self._zeta = {}
             return
         idx = torch.as_tensor(sampled, dtype=torch.long, device=self.W.device)
-        rows = zeta(self.W, self.theta, self.v, idx, self.hp.rho)
+        cols = self._cols()
+        col = None if cols is None else torch.as_tensor(cols, dtype=torch.long, device=self.W.device)
+        rows = zeta(self.W, self.theta, self.v, idx, self.hp.rho, col)
         self._zeta = {cid: rows[pos] for pos, cid in enumerate(sampled)}
 
     def _shared_for(self, cid: int) -> Params:
@@ -265,15 +361,20 @@ class FPFC(Method):
         return Message.of(entries, rho=self.hp.rho)
 
     def local_update(self, rnd: int, client: ClientHandle, msg: Message | None) -> Message:
+        return self._train(rnd, client, msg, pull=True)
+
+    def _train(self, rnd: int, client: ClientHandle, msg: Message, pull: bool, tag: str = "train") -> Message:
+        """From the device's own w (and the received body), the local steps on f_i(w) + (ρ/2)‖w − ζ_i‖²
+        (``pull``) or on f_i alone; keeps the new w, uploads the model."""
         received = msg.tensors()
         rho = float(msg.info["rho"])
-        target = {k: received[k] for k in self.clustered}
+        target = {k: received[k] for k in self.clustered} if pull else {}
         start = dict(client.state["w"])
         start.update({k: received[k] for k in self.shared})
         start = {k: start[k] for k in self.names}
 
-        # the augmented-Lagrangian pull ρ(w − ζ_i), on the clustered parameters only
-        result = client.train(start, rnd, grad_hook=PullTo(target, rho))
+        # the augmented-Lagrangian pull ρ(w − ζ_i), on the clustered parameters only (none when alone)
+        result = client.train(start, rnd, grad_hook=PullTo(target, rho) if pull else None, tag=tag)
         client.state["w"] = {k: result.params[k] for k in self.clustered}
         return Message.of(result.params, n=client.n_train, train_loss=result.mean_loss)
 
@@ -285,9 +386,10 @@ class FPFC(Method):
         idx = torch.as_tensor(cids, dtype=torch.long, device=self.W.device)
         self.W[idx] = torch.stack([flatten_params(u, self.clustered) for u in uploads])
         self.n_seen[idx] = torch.tensor([float(replies[c].info.get("n", 1)) for c in cids], dtype=torch.float64, device=self.W.device)
-        pair_update(self.W, self.theta, self.v, cids, self.prox(), self.hp.rho, self.hp.pair_update)
+        pair_update(self.W, self.theta, self.v, cids, self.prox(), self.hp.rho, self.hp.pair_update, self._cols())
         if self.shared:
-            self.body = weighted_average(uploads, None, names=self.shared)
+            self.body = aggregate(uploads, None, self.hp, names=self.shared,
+                                  attack_fraction=self.ctx.cfg.attack.fraction)
             if self.body_of is not None:
                 self.body_of[idx] = flatten_params(self.body, self.shared)
 
@@ -317,16 +419,18 @@ class FPFC(Method):
 
     # ---- clusters and read-out ---------------------------------------------------------------
     def clusters(self, nu: float | None = None) -> np.ndarray:
-        """Connected components of {‖θ_ij‖ < ν} (labels 0..K−1 in order of first appearance);
-        ν defaults to :meth:`readout_nu`."""
-        dist = pairwise_norms(self.theta)
+        """Connected components of {‖θ_ij‖ < ν} over all m devices (labels 0..K−1 in order of first
+        appearance; a device not in the federation is a component of its own); ν defaults to
+        :meth:`readout_nu`."""
+        dist = self.distances()
         return connected_components(dist < (self.readout_nu(dist) if nu is None else nu))
 
     def readout_nu(self, dist: torch.Tensor | None = None) -> float:
         """The read-out threshold: ``hp.nu``, or with ``nu_select: silhouette`` the best-silhouette cut."""
         if self.hp.nu_select == "silhouette":
-            dist = pairwise_norms(self.theta) if dist is None else dist
-            chosen = silhouette_threshold(dist.cpu().numpy())
+            dist = self.distances() if dist is None else dist
+            trained = self.ctx.members  # chosen on the trained devices; newcomers are placed by it
+            chosen = silhouette_threshold(dist[trained][:, trained].cpu().numpy())
             if chosen is not None:
                 return chosen
         return float(self.hp.nu)
@@ -336,10 +440,12 @@ class FPFC(Method):
         true = self.ctx.meta.true_clusters
         if true is None:
             return {}
-        dist = pairwise_norms(self.theta).cpu().numpy()
+        dist = self.distances().cpu().numpy()
         same = np.equal.outer(true, true)
         np.fill_diagonal(same, False)
         diff = ~np.equal.outer(true, true)
+        exists = np.isfinite(dist)
+        same, diff = same & exists, diff & exists
         out = {}
         if same.any():
             out["fpfc/theta_max_within"] = float(dist[same].max())
@@ -366,15 +472,17 @@ class FPFC(Method):
     def begin_eval(self, rnd: int, final: bool) -> None:
         self._readout = None
         if final or self.hp.readout_every_eval:
-            dist = pairwise_norms(self.theta)
+            dist = self.distances()
             self._readout = self.readout_models(connected_components(dist < self.readout_nu(dist)))
 
     def extra_metrics(self, rnd: int, final: bool = False) -> dict[str, float]:
-        dist = pairwise_norms(self.theta)
+        dist = self.distances()
         self._nu = self.readout_nu(dist)
         labels = connected_components(dist < self._nu)
         self._labels = labels
-        out = cluster_metrics(labels, self.ctx.meta.true_clusters)
+        present = self.present()
+        true = self.ctx.meta.true_clusters
+        out = cluster_metrics(labels[present], None if true is None else true[present])
         out["fpfc/nu"] = self._nu
         out["fpfc/lambda"] = float(self.hp.lam)
         out.update(self.theta_gap())
@@ -382,11 +490,66 @@ class FPFC(Method):
             out["time/sim_clock"] = self.sim_clock
         return out
 
+    def cluster_assignment(self) -> dict[int, int]:
+        labels = self.clusters() if self._labels is None else self._labels
+        return {c: int(labels[c]) for c in self.present()}
+
     def artifacts(self, outdir: str) -> list[str]:
         out = Path(outdir)
         labels = self.clusters() if self._labels is None else self._labels
-        table = write_assignment_table(outdir, "fpfc_clusters.csv", labels, self.ctx.meta)
+        present = self.present()
+        table = write_assignment_table(outdir, "fpfc_clusters.csv", labels[present], self.ctx.meta, present)
         return [table, str(self.plot_distances(out / "fpfc_theta_norms.png"))]
+
+    # ---- newcomers (spec §8): newcomer-only ADMM rounds against the trained devices ------------
+    newcomer_rule = ("trains alone (newcomers.local_rounds), uploads, then newcomer-only ADMM rounds "
+                     "against the trained devices until its upload settles (newcomers.tol)")
+
+    def join_begin(self, rnd: int, newcomers: list[int]) -> None:
+        self.joined = sorted(newcomers)
+        self.settled = []
+
+    def join_active(self, step: int) -> list[int]:
+        return [c for c in self.joined if c not in set(self.settled)]
+
+    def join_message(self, rnd: int, step: int, cid: int) -> Message:
+        """Step 0: the body only (the newcomer trains alone first); then its ζ against the trained
+        devices (and the body). With ``join_start: fused`` the first ζ comes from θ = v = 0 rows."""
+        entries: Params = dict(self.body) if self.shared else {}
+        if step == 0:
+            return Message.of(entries, rho=self.hp.rho, local=True)
+        dev = self.W.device
+        cols = torch.as_tensor(sorted(set(self.ctx.members) | {cid}), dtype=torch.long, device=dev)
+        z = zeta(self.W, self.theta, self.v, torch.as_tensor([cid], device=dev), self.hp.rho, cols)[0]
+        entries.update(unflatten_params(z, self.template, self.clustered))
+        return Message.of(entries, rho=self.hp.rho)
+
+    def join_update(self, rnd: int, step: int, client: ClientHandle, msg: Message | None) -> Message:
+        if msg.info.get("local"):
+            reply = None
+            for k in range(self.ctx.cfg.newcomers.local_rounds):
+                reply = self._train(rnd, client, msg, pull=False, tag=f"join_local{k}")
+            return reply
+        return self._train(rnd, client, msg, pull=True, tag="join")
+
+    def join_aggregate(self, rnd: int, step: int, replies: dict[int, Message]) -> None:
+        """Only the newcomers' rows move: their uploads, and their pairs with the trained devices
+        (not after the first upload with ``join_start: fused``: the rows stay θ = v = 0 once)."""
+        if not replies:
+            return
+        cids = sorted(replies)
+        idx = torch.as_tensor(cids, dtype=torch.long, device=self.W.device)
+        old = self.W[idx].clone()
+        self.W[idx] = torch.stack([flatten_params(replies[c].tensors(), self.clustered) for c in cids])
+        self.n_seen[idx] = torch.tensor([float(replies[c].info.get("n", 1)) for c in cids],
+                                        dtype=torch.float64, device=self.W.device)
+        if step > 0 or self.hp.join_start == "upload":
+            pair_update(self.W, self.theta, self.v, cids, self.prox(), self.hp.rho, "once", self.ctx.members)
+        tol = self.ctx.cfg.newcomers.tol
+        if step >= 1 and tol > 0:
+            change = torch.linalg.vector_norm(self.W[idx] - old, dim=1)
+            scale = torch.linalg.vector_norm(old, dim=1).clamp_min(1e-12)
+            self.settled += [c for c, ok in zip(cids, (change <= tol * scale).tolist()) if ok]
 
     def plot_distances(self, path: str | Path) -> Path:
         import matplotlib

@@ -85,7 +85,7 @@ class IFCA(Method):
         else:
             shared = self.ctx.init_params("ifca", 0)
             self.models = [{n: t.clone() for n, t in shared.items()} for _ in range(k)]
-        self._labels: list[int] | None = None  # every client's choice at the last evaluation
+        self._labels: dict[int, int] | None = None  # every evaluated client's choice at the last evaluation
 
     def broadcast(self, rnd: int, cid: int) -> Message:
         return Message.of(_pack(self.models))
@@ -130,12 +130,20 @@ class IFCA(Method):
         return EvalPlan(models[j], reply=Message.of({"cluster": index_tensor(j, self.hp.k)}))
 
     def eval_aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
-        self._labels = [int(replies[cid]["cluster"][0]) for cid in sorted(replies)]
+        self._labels = {cid: int(replies[cid]["cluster"][0]) for cid in sorted(replies)}
 
     def extra_metrics(self, rnd: int, final: bool = False) -> dict[str, float]:
-        return assignment_metrics(self._labels, self.ctx.meta) if self._labels is not None else {}
+        if self._labels is None:
+            return {}
+        return assignment_metrics(list(self._labels.values()), self.ctx.meta, list(self._labels))
+
+    def cluster_assignment(self) -> dict[int, int] | None:
+        return None if self._labels is None else dict(self._labels)
+
+    newcomer_rule = "picks the cluster model with the lowest loss on its training data"
 
     def artifacts(self, outdir: str) -> list[str]:
         if self._labels is None:
             return []
-        return [write_assignment_table(outdir, "ifca_assignments.csv", self._labels, self.ctx.meta)]
+        return [write_assignment_table(outdir, "ifca_assignments.csv", list(self._labels.values()), self.ctx.meta,
+                                       list(self._labels))]

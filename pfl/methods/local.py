@@ -28,3 +28,12 @@ class Local(Method):
 
     def personal_params(self, rnd: int, client: ClientHandle, received: Params | None) -> Params:
         return client.state["params"]
+
+    # newcomers (docs/methods/fpfc.md §8): a newcomer trains alone, one local update per join step
+    newcomer_rule = "trains alone (newcomers.rounds local updates)"
+
+    def join_active(self, step: int) -> list[int]:
+        return list(self.ctx.newcomers)
+
+    def join_update(self, rnd: int, step: int, client: ClientHandle, msg: Message | None) -> None:
+        return self.local_update(rnd, client, msg)

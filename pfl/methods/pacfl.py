@@ -31,6 +31,12 @@ sample-weighted average of its members' previous cluster models (the initial mod
 one). A client without a basis yet is evaluated with the initial model and counted as its own
 cluster in ``cluster/num`` / ``cluster/ari``.
 
+Newcomers (after training; docs/methods/fpfc.md §8, "PACFL ... as their paper"): a newcomer uploads its
+basis once (one join step) and the server assigns it to the existing cluster at the smallest linkage
+distance (the mean angle to its members for average/weighted linkage, the smallest for single, the
+largest for complete); the trained clients' clusters do not change. It is evaluated with that
+cluster's model.
+
 β is dataset dependent (reference: 3.5° in its options, 4.9° for CIFAR-10; the FPFC repository
 used 4 on its synthetic data and 2 on MNIST). Because PACFL only looks at the inputs x, it cannot see
 concept shift that leaves P(x) unchanged: label-swapped clusters, and the FPFC synthetic data
@@ -138,6 +144,7 @@ class PACFL(Method):
         self.labels: dict[int, int] = {}              # client -> cluster, for clients with a basis
         self.models: list[Params] = []
         self.n: dict[int, int] = {}
+        self.joined: list[int] = []                   # newcomers (after training)
 
     def broadcast(self, rnd: int, cid: int) -> Message:
         if cid not in self.labels:
@@ -203,12 +210,12 @@ class PACFL(Method):
     def personal_params(self, rnd: int, client: ClientHandle, received: Params | None) -> Params:
         return self.init if received is None else received
 
-    def assignment(self) -> np.ndarray:
-        """Cluster per client; a client without a basis yet is a cluster of its own."""
-        m = self.ctx.num_clients
-        out = np.empty(m, dtype=int)
+    def cluster_assignment(self) -> dict[int, int]:
+        """Cluster per client of the federation (the newcomers once joined); a client without a
+        basis yet is a cluster of its own."""
+        out: dict[int, int] = {}
         extra = len(self.models)
-        for cid in range(m):
+        for cid in sorted(set(self.ctx.members) | set(self.joined)):
             c = self.labels.get(cid)
             if c is None:
                 c, extra = extra, extra + 1
@@ -216,9 +223,47 @@ class PACFL(Method):
         return out
 
     def extra_metrics(self, rnd: int, final: bool = False) -> dict[str, float]:
-        metrics = assignment_metrics(self.assignment(), self.ctx.meta)
+        found = self.cluster_assignment()
+        metrics = assignment_metrics(list(found.values()), self.ctx.meta, list(found))
         metrics["pacfl/clients_with_basis"] = float(len(self.bases))
         return metrics
 
     def artifacts(self, outdir: str) -> list[str]:
-        return [write_assignment_table(outdir, "pacfl_assignments.csv", self.assignment(), self.ctx.meta)]
+        found = self.cluster_assignment()
+        return [write_assignment_table(outdir, "pacfl_assignments.csv", list(found.values()), self.ctx.meta,
+                                       list(found))]
+
+    # ---- newcomers: one basis upload, the nearest cluster (Vahidian et al.) ----------------------
+    newcomer_rule = ("uploads its data basis once; the server puts it in the cluster at the smallest linkage "
+                     "distance (angles to the members, the configured linkage)")
+
+    def join_begin(self, rnd: int, newcomers: list[int]) -> None:
+        self.joined = sorted(newcomers)
+
+    def join_active(self, step: int) -> list[int]:
+        return list(self.joined) if step == 0 else []
+
+    def join_message(self, rnd: int, step: int, cid: int) -> Message:
+        return Message.of({}, send_basis=True)
+
+    def join_update(self, rnd: int, step: int, client: ClientHandle, msg: Message | None) -> Message:
+        return self.local_update(rnd, client, msg)
+
+    def join_aggregate(self, rnd: int, step: int, replies: dict[int, Message]) -> None:
+        """Each newcomer joins the cluster whose linkage distance to it is smallest; the clusters
+        of the trained clients stay as they are."""
+        known = sorted(c for c in self.bases if c in self.labels)
+        if not known or not self.models:
+            return
+        for cid, reply in sorted(replies.items()):
+            self.n[cid] = reply.info["n"]
+            angles = proximity([reply["basis"]], [self.bases[c] for c in known], self.hp.angle)[0].double()
+            best, best_d = None, float("inf")
+            for c in range(len(self.models)):
+                d = angles[[k for k, member in enumerate(known) if self.labels[member] == c]]
+                if len(d) == 0:
+                    continue
+                link = {"single": d.min(), "complete": d.max()}.get(self.hp.linkage, d.mean())
+                if float(link) < best_d:
+                    best, best_d = c, float(link)
+            self.labels[cid] = best

@@ -22,6 +22,11 @@ head. ``warmup_rounds`` runs plain FedAvg first (the reference starts from a Fed
 after the warm-up each client receives the full model once, on its first sampling, and adopts its
 body. Only the final linear layer is shared (the reference's num_layers_keep = 1).
 
+A newcomer of LG-FedAvg fine-tunes (``newcomers.finetune_rounds`` local updates) the server's whole model (the averaged head and the server's body
+copy: θ^0, or the warm-up's FedAvg model) and is evaluated with the result (docs/methods/fpfc.md §8, "LG ...
+fine-tune the final global model"; :class:`~pfl.methods.base.FineTuneNewcomers`). FedRep's
+newcomers use the default rule (their own head stays θ^0).
+
 Neither method has a meaningful global model (the shared part alone cannot classify), so no
 ``global/test_acc`` is reported.
 """
@@ -30,13 +35,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..aggregation import weighted_average
 from ..federation.messages import Message
 from ..models import layer_groups
 from ..schema import hp
 from ..training import Params
 from . import register
-from .base import ClientHandle
+from .base import ClientHandle, FineTuneNewcomers
 from .fedavg import FedAvg, FedAvgHparams
 
 
@@ -79,9 +83,7 @@ class PartialSharing(FedAvg):
     def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
         if not replies:
             return
-        parts = [r.tensors() for r in replies.values()]
-        weights = [r.info["n"] for r in replies.values()] if self.hp.weighting == "samples" else None
-        avg = weighted_average(parts, weights, names=self.shared)
+        avg = self.reply_average(replies, names=self.shared)
         eta = self.hp.server_lr
         for k in self.shared:
             g = self.global_model[k]
@@ -132,7 +134,7 @@ class LGFedAvgHparams(FedAvgHparams):
 
 
 @register
-class LGFedAvg(PartialSharing):
+class LGFedAvg(FineTuneNewcomers, PartialSharing):
     name = "lgfedavg"
     Hparams = LGFedAvgHparams
     description = "LG-FedAvg: local representations, global head (Liang et al. 2020)"

@@ -189,6 +189,9 @@ class PerFedCKT(Method):
     name = "perfed_ckt"
     Hparams = PerFedCKTHparams
     description = "Clustered knowledge transfer on public-set logits, heterogeneous models (Cho et al. 2021)"
+    # its uplink is public-set logits, not a model: the model-replacing attacks are not defined for it
+    attackable_uplink = False
+    uplink_note = "it uploads public-set logits"
     cohort = "sequential"
     metric_names = ("ckt/public_rows", "ckt/stored", "cluster/num", "cluster/ari", "cluster/ari_arch",
                     "cluster/size_max", "cluster/size_min", "cluster/singletons")

@@ -16,6 +16,9 @@ generator) and the loop takes the step with lr β. The server averages the retur
 Personalized evaluation: one SGD step of size α on one local training batch from the current
 global model (the paper's and PFLlib's protocol). Traffic equals FedAvg's.
 
+Newcomers (docs/methods/fpfc.md §8): a newcomer fine-tunes the final global model for
+``newcomers.finetune_rounds`` local updates of plain SGD and is evaluated with the result (:class:`~pfl.methods.base.FineTuneNewcomers`).
+
 Decisions (spec marks the paper values unverified): α = β = the client lr by default (PFLlib;
 FL-bench's β = 1e-3 makes a round's progress ~50× smaller than the other baselines' at our lr, so
 it is available but not the default); δ = 1e-3; local steps per round = the FedAvg minibatch budget
@@ -36,7 +39,7 @@ from ..federation.messages import Message
 from ..schema import hp
 from ..training import Params, loss_fn
 from . import register
-from .base import ClientHandle
+from .base import ClientHandle, FineTuneNewcomers
 from .fedavg import FedAvg, FedAvgHparams
 
 GradFn = Callable[[Params, torch.Tensor | None], Params]
@@ -102,7 +105,7 @@ class BatchGradient:
 
 
 @register
-class PerFedAvg(FedAvg):
+class PerFedAvg(FineTuneNewcomers, FedAvg):
     name = "perfedavg"
     Hparams = PerFedAvgHparams
     description = "Per-FedAvg: MAML-style personalised FedAvg (Fallah et al. 2020)"

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..aggregation import RobustAggregation
 from ..federation.messages import Message
 from ..schema import hp
 from ..training import Params, batch_indices, proximal_pull
@@ -37,7 +38,7 @@ from .fedavg import FedAvg
 
 
 @dataclass
-class PFedMeHparams:
+class PFedMeHparams(RobustAggregation):
     """pFedMe's Moreau-envelope personalisation."""
     lam: float = hp(15.0, "Moreau-envelope weight λ tying personal θ to the local copy w "
                     "(grid 0.1, 1, 5, 15, 30)", low=0.0, low_open=True)

@@ -88,6 +88,6 @@ class Scaffold(FedAvg):
         mean_dy = weighted_average([_unprefixed(_DY, m) for m in msgs])
         mean_dc = weighted_average([_unprefixed(_DC, m) for m in msgs])
         eta = self.hp.server_lr
-        share = len(msgs) / self.ctx.num_clients  # (1/N)·Σ Δc = (|S|/N)·mean Δc
+        share = len(msgs) / self.ctx.num_members  # (1/N)·Σ Δc = (|S|/N)·mean Δc
         self.global_model = {k: g + eta * mean_dy[k] for k, g in self.global_model.items()}
         self.c = {k: v + share * mean_dc[k] for k, v in self.c.items()}

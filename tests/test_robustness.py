@@ -1,0 +1,484 @@
+"""Byzantine attacks (uplink transforms), robust aggregators, benign-only metrics."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import small_config, straight_and_resumed
+from pfl.aggregation import (RobustAggregation, aggregate, byzantine_count, coordinate_median, krum,
+                             krum_scores, trim_count, trimmed_mean)
+from pfl.federation.attacks import Attack, attack_tensors, malicious_clients
+from pfl.federation.messages import LowRank, Message
+from pfl.federation.simulator import Simulator
+from pfl.federation.state import encode
+from pfl.schema import ConfigError
+from test_engine_core import _same
+
+
+def _attack(kind: str, fraction: float = 0.5, **extra):
+    return Attack(small_config(attack__kind=kind, attack__fraction=fraction, **extra), 10)
+
+
+def _upload(seed: int = 0) -> Message:
+    g = torch.Generator().manual_seed(seed)
+    return Message.of({"w": torch.randn(4, 3, generator=g), "b": torch.randn(3, generator=g),
+                       "cluster": torch.tensor([2], dtype=torch.uint8)}, n=17, train_loss=0.5)
+
+
+# ---- the attacks ---------------------------------------------------------------------------------
+
+def test_same_value_sends_one_normal_constant_per_upload():
+    att = _attack("same_value")
+    b = sorted(att.malicious)[0]
+    out = att(_upload(), "up", 3, b)
+    c = float(out["w"][0, 0])
+    assert torch.all(out["w"] == c) and torch.all(out["b"] == c)
+    expected = float(torch.randn((), generator=att.generator(3, b), dtype=torch.float64)) * 100.0
+    assert c == pytest.approx(expected, rel=1e-6)
+    assert out["cluster"].tolist() == [2] and out.info == {"n": 17, "train_loss": 0.5}
+    # over many uploads c ~ N(0, 100²)
+    cs = np.array([float(att(_upload(), "up", r, b)["b"][0]) for r in range(4000)])
+    assert abs(cs.mean()) < 5 and cs.std() == pytest.approx(100, rel=0.05)
+
+
+def test_sign_flip_scales_the_upload_by_minus_a_half_normal():
+    att = _attack("sign_flip")
+    b = sorted(att.malicious)[0]
+    ratios = []
+    for r in range(4000):
+        clean = _upload(r)
+        out = att(clean.copy(), "up", r, b)
+        s = out["w"] / clean["w"]
+        assert torch.allclose(s, s.flatten()[0].expand_as(s), rtol=1e-5)     # one scalar per upload
+        assert torch.allclose(out["b"] / clean["b"], s.flatten()[0].expand(3), rtol=1e-5)
+        ratios.append(float(s.flatten()[0]))
+    ratios = -np.array(ratios)
+    assert (ratios >= 0).all()                                            # −|s|
+    assert ratios.mean() == pytest.approx(10 * math.sqrt(2 / math.pi), rel=0.05)   # E|s|, s ~ N(0, 10²)
+    assert np.sqrt((ratios ** 2).mean()) == pytest.approx(10, rel=0.05)
+
+
+def test_gaussian_replaces_every_float_entry_by_iid_noise():
+    att = _attack("gaussian")
+    b = sorted(att.malicious)[0]
+    values = torch.cat([att(_upload(r), "up", r, b)["w"].flatten() for r in range(2000)]).numpy()
+    assert abs(values.mean()) < 3 and values.std() == pytest.approx(100, rel=0.03)
+    assert abs(np.corrcoef(values[:-1], values[1:])[0, 1]) < 0.05
+    again = att(_upload(5), "up", 7, b)
+    # seeded by (seed, round, client), not by the input
+    assert torch.equal(again["w"], att(_upload(9), "up", 7, b)["w"])
+
+
+def test_the_noise_levels_are_configurable():
+    att = Attack(small_config(attack__kind="gaussian", attack__fraction=0.5, attack__gaussian_std=2.0), 10)
+    b = sorted(att.malicious)[0]
+    values = torch.cat([att(_upload(r), "up", r, b)["w"].flatten() for r in range(2000)]).numpy()
+    assert values.std() == pytest.approx(2.0, rel=0.03)
+
+
+def test_only_uploads_of_malicious_clients_are_attacked():
+    att = _attack("gaussian")
+    benign = next(c for c in range(10) if c not in att.malicious)
+    bad = sorted(att.malicious)[0]
+    for direction, cid in [("up", benign), ("down", bad), ("eval_up", bad), ("eval_down", bad), ("join_down", bad)]:
+        assert torch.equal(att(_upload(), direction, 0, cid)["w"], _upload()["w"])
+    for direction in ("up", "join_up"):
+        assert not torch.equal(att(_upload(), direction, 0, bad)["w"], _upload()["w"])
+
+
+def test_structured_payloads_are_refused_naming_the_attack():
+    att = _attack("sign_flip")
+    msg = Message.of({"w": LowRank(torch.ones(3, 1), torch.ones(1, 2))})
+    with pytest.raises(ConfigError, match="attack.kind"):
+        att(msg, "up", 0, sorted(att.malicious)[0])
+
+
+def test_head_scope_rewrites_only_the_last_layer():
+    cfg = small_config(attack__kind="gaussian", attack__fraction=0.5, attack__scope="head")  # MLP: head = fc.*
+    sim = Simulator(cfg)
+    att = next(t for t in sim.transforms if isinstance(t, Attack))
+    assert att.head == {"fc.weight", "fc.bias"}
+    b = sorted(att.malicious)[0]
+    clean = Message.of({k: v.clone() for k, v in sim.method.global_model.items()})
+    clean.entries["dy/fc.weight"] = clean["fc.weight"].clone()      # a prefixed entry (SCAFFOLD's dy/)
+    out = att(clean.copy(), "up", 0, b)
+    assert {k for k in clean if not torch.equal(out[k], clean[k])} == {"fc.weight", "fc.bias", "dy/fc.weight"}
+
+
+def test_attack_tensors_keeps_integer_tensors():
+    t = {"x": torch.ones(3), "k": torch.tensor([1, 2], dtype=torch.int64)}
+    attack_tensors(t, "same_value", 1.0, torch.Generator().manual_seed(0))
+    assert t["k"].tolist() == [1, 2] and torch.all(t["x"] == t["x"][0])
+
+
+# ---- the malicious subset ---------------------------------------------------------------------------
+
+def test_malicious_subset_is_round_m_fraction_drawn_once_from_the_seed():
+    cfg = small_config(attack__kind="gaussian", attack__fraction=0.25)
+    ids = malicious_clients(cfg, 10)
+    assert len(ids) == 3 and list(ids) == sorted(set(ids))               # round(2.5) = 3 (halves up)
+    assert malicious_clients(cfg, 10) == ids
+    assert malicious_clients(cfg.replace({"attack.kind": "sign_flip"}), 10) == ids   # same clients for every attack
+    assert malicious_clients(cfg.replace({"seed": 5}), 10) != ids
+    assert malicious_clients(cfg.replace({"attack.kind": "none"}), 10) == ()
+    assert len(malicious_clients(cfg.replace({"attack.fraction": 0.8}), 100)) == 80
+
+
+def test_the_same_clients_are_attacked_in_every_round_and_after_a_resume(tmp_path):
+    cfg = small_config(method__name="fedavg", attack__kind="gaussian", attack__fraction=0.3,
+                       federation__rounds=4, federation__clients_per_round=5)
+    sim = Simulator(cfg)
+    attack = next(t for t in sim.transforms if isinstance(t, Attack))
+    seen: list[tuple[int, int]] = []
+
+    def recording(msg, direction, rnd, cid):
+        before = {k: v.clone() for k, v in msg.tensors().items()}
+        out = attack(msg, direction, rnd, cid)
+        if any(not torch.allclose(before[k], out[k], equal_nan=True) for k in before):
+            seen.append((rnd, cid, direction))
+        return out
+
+    sim.transforms = [recording if t is attack else t for t in sim.transforms]
+    sampled = {}
+    for rnd in range(4):
+        sampled[rnd] = sim.sample(rnd)
+        sim.run_round()
+    assert seen == [(r, c, "up") for r in range(4) for c in sampled[r] if c in sim.malicious]
+    assert len({c for _, c, _ in seen}) >= 2
+    straight, resumed = straight_and_resumed(cfg, tmp_path)
+    assert resumed.malicious == straight.malicious == sim.malicious
+    assert [h.get("test/acc_mean") for h in resumed.history] == [h.get("test/acc_mean") for h in straight.history]
+    _same(encode(resumed.model_state()), encode(straight.model_state()))
+
+
+@pytest.mark.parametrize("name", ["fpfc", "ditto", "ifca"])
+def test_an_attack_never_changes_the_attackers_kept_state(name):
+    extra = {"method__k": 2} if name == "ifca" else {}
+    cfg = small_config(method__name=name, federation__clients_per_round=0, federation__rounds=1, **extra)
+    attacked_cfg = cfg.replace({"attack.kind": "gaussian", "attack.fraction": 0.4})
+    clean, attacked = Simulator(cfg), Simulator(attacked_cfg)
+    clean.run_round(evaluate=False)
+    attacked.run_round(evaluate=False)
+    assert len(attacked.malicious) == 4
+    # every client trained from the same message and kept what it trained; the server got noise
+    _same(encode(attacked.client_states), encode(clean.client_states))
+    if name == "fpfc":
+        bad = sorted(attacked.malicious)
+        good = [c for c in range(10) if c not in attacked.malicious]
+        assert torch.equal(attacked.method.W[good], clean.method.W[good])
+        assert not torch.allclose(attacked.method.W[bad], clean.method.W[bad])
+        assert attacked.method.W[bad].std() > 50
+
+
+def test_metrics_under_attack_are_those_of_the_benign_clients(tmp_path):
+    cfg = small_config(method__name="fedavg", attack__kind="sign_flip", attack__fraction=0.3,
+                       federation__rounds=2)
+    sim = Simulator(cfg)
+    sim.run()
+    final = sim.history[-1]
+    rows = sim.last_client_table
+    assert [r["malicious"] for r in rows] == [int(r["client"] in sim.malicious) for r in rows]
+    benign = [r["test_acc"] for r in rows if not r["malicious"]]
+    assert final["attack/benign_clients"] == len(benign) == 7
+    assert final["test/acc_mean"] == pytest.approx(np.mean(benign))
+    benign_global = [r["global_test_acc"] for r in rows if not r["malicious"]]
+    assert final["global/test_acc"] == pytest.approx(np.mean(benign_global))
+    paths = sim.artifacts(tmp_path)
+    assert [p.name for p in paths] == ["attack_malicious.csv"]
+    lines = paths[0].read_text().splitlines()
+    assert lines[0].startswith("client") and [int(x.split(",")[0]) for x in lines[1:]] == sorted(sim.malicious)
+
+
+def test_attacked_newcomers_are_left_out_of_the_newcomer_metrics():
+    cfg = small_config(method__name="fpfc", attack__kind="gaussian", attack__fraction=0.3, newcomers__fraction=0.3,
+                       newcomers__rounds=2, federation__rounds=2)
+    sim = Simulator(cfg)
+    sim.run()
+    rows = sim.last_client_table
+    good_new = [r["test_acc"] for r in rows if r["newcomer"] and not r["malicious"]]
+    assert sim.join_result["newcomer/count"] == len(good_new) >= 1
+    assert sim.join_result["newcomer/acc_mean"] == pytest.approx(np.mean(good_new))
+    bad_new = [c for c in sim.ctx.newcomers if c in sim.malicious]
+    assert bad_new and sim.method.W[bad_new].abs().max() > 50          # their join uploads were attacked
+
+
+def test_an_attack_that_blows_up_the_model_is_an_outcome_not_a_failure():
+    cfg = small_config(method__name="fedavg", attack__kind="gaussian", attack__fraction=0.5,
+                       attack__gaussian_std=1e30, federation__rounds=3)
+    sim = Simulator(cfg)
+    sim.run()                                   # no DivergedError
+    assert sim.round == 3 and any(h.get("attack/diverged") == 1.0 for h in sim.history)
+    assert 0.0 <= sim.history[-1]["test/acc_mean"] <= 1.0
+
+
+def test_attack_config_is_validated_before_any_work():
+    with pytest.raises(ConfigError, match="attack.kind"):
+        small_config(attack__kind="gauss")
+    with pytest.raises(ConfigError, match="attack.fraction"):
+        small_config(attack__kind="gaussian", attack__fraction=1.0)
+    with pytest.raises(ConfigError, match="attack.kind.*logits"):
+        small_config(method__name="perfed_ckt", attack__kind="gaussian", attack__fraction=0.2)
+    with pytest.raises(ConfigError, match="method.aggregator"):
+        small_config(method__aggregator="avg")
+    with pytest.raises(ConfigError, match="aggregator"):
+        small_config(method__name="scaffold", method__aggregator="median")   # no global-model average to replace
+
+
+# ---- robust aggregators against direct computations ---------------------------------------------------
+
+def _models(n=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [{"w": torch.randn(3, 4, generator=g), "b": torch.randn(4, generator=g, dtype=torch.float64)}
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 6])
+def test_coordinate_median_is_numpys_median(n):
+    models = _models(n)
+    out = coordinate_median(models)
+    for k in ("w", "b"):
+        direct = np.median(np.stack([m[k].numpy() for m in models]), axis=0)
+        np.testing.assert_allclose(out[k].numpy(), direct, rtol=1e-6)
+        assert out[k].dtype == models[0][k].dtype
+
+
+@pytest.mark.parametrize("n,beta", [(7, 0.2), (10, 0.1), (4, 0.4), (3, 0.45), (5, 0.0)])
+def test_trimmed_mean_drops_the_extremes_of_each_coordinate(n, beta):
+    models = _models(n, seed=n)
+    out = trimmed_mean(models, beta)
+    b = min(int(beta * n), (n - 1) // 2)
+    assert trim_count(n, beta) == b
+    for k in ("w", "b"):
+        x = np.sort(np.stack([m[k].numpy() for m in models]), axis=0)
+        np.testing.assert_allclose(out[k].numpy(), x[b:n - b].mean(axis=0), rtol=1e-6, atol=1e-7)
+
+
+def test_krum_picks_the_model_with_the_smallest_neighbourhood_distance():
+    models = _models(8, seed=3)
+    models[5] = {k: v + 50 for k, v in models[5].items()}      # an outlier is never chosen
+    f = 2
+    flat = np.stack([np.concatenate([m["w"].numpy().ravel(), m["b"].numpy().ravel()]) for m in models])
+    d = ((flat[:, None, :] - flat[None, :, :]) ** 2).sum(-1)
+    scores = [np.sort(np.delete(d[i], i))[:8 - f - 2].sum() for i in range(8)]
+    np.testing.assert_allclose(krum_scores(torch.as_tensor(flat), f).numpy(), scores, rtol=1e-9)
+    out, chosen = krum(models, f)
+    assert chosen == [int(np.argmin(scores))] and chosen != [5]
+    for k in ("w", "b"):
+        assert torch.allclose(out[k], models[chosen[0]][k])
+    multi, picked = krum(models, f, select=3)
+    assert picked == [int(i) for i in np.argsort(scores, kind="stable")[:3]]
+    assert torch.allclose(multi["w"], torch.stack([models[i]["w"] for i in picked]).mean(0))
+
+
+def test_aggregate_dispatches_and_uses_the_attack_fraction_for_krum():
+    models = _models(10, seed=4)
+    mean = torch.stack([m["w"] for m in models]).mean(0)
+    assert torch.allclose(aggregate(models, None, RobustAggregation())["w"], mean)
+    assert byzantine_count(10, 0.4) == 4 and byzantine_count(30, 0.2) == 6 and byzantine_count(5, 0.5) == 3
+    rule = RobustAggregation(aggregator="krum")
+    assert torch.equal(aggregate(models, None, rule, attack_fraction=0.4)["w"], krum(models, 4)[0]["w"])
+    rule = RobustAggregation(aggregator="krum", byzantine_share=0.1)
+    assert torch.equal(aggregate(models, None, rule, attack_fraction=0.4)["w"], krum(models, 1)[0]["w"])
+
+
+@pytest.mark.parametrize("name", ["fedavg", "fedprox", "ditto", "fedadam", "lgfedavg", "fedavg+ala"])
+def test_the_methods_with_a_global_model_average_through_the_rule(name):
+    sim = Simulator(small_config(method__name=name, method__aggregator="median"))
+    replies = {c: sim.client_step(0, c, sim.deliver(sim.method.broadcast(0, c), "down", 0, c)) for c in range(5)}
+    shared = list(replies[0].tensors())
+    direct = coordinate_median([r.tensors() for r in replies.values()], shared)
+    assert torch.allclose(sim.method.reply_average(replies, shared)[shared[0]], direct[shared[0]])
+    if name != "fedadam":
+        sim.method.aggregate(0, replies)
+        for k in shared:
+            assert torch.allclose(sim.method.global_model[k], direct[k], atol=1e-6)
+
+
+def test_robust_rules_keep_fedavg_learning_where_the_mean_collapses():
+    # digits, 10 clients Dir(0.5), all participating, 8 rounds: clean 58 %, attacked mean 10 %,
+    # median 26 %, Krum 25 % (the robust rules ignore the outliers but learn slower on non-IID data)
+    base = dict(method__name="fedavg", federation__rounds=8, federation__clients_per_round=0)
+    clean = Simulator(small_config(**base))
+    clean.run()
+    attacked = {}
+    for rule in ("mean", "median", "krum"):
+        sim = Simulator(small_config(attack__kind="gaussian", attack__fraction=0.2, method__aggregator=rule, **base))
+        sim.run()
+        attacked[rule] = sim.history[-1]["test/acc_mean"]
+    acc = clean.history[-1]["test/acc_mean"]
+    assert attacked["mean"] < acc - 0.3
+    assert attacked["median"] > attacked["mean"] + 0.1 and attacked["krum"] > attacked["mean"] + 0.1
+
+
+# ---- the pipelines ------------------------------------------------------------------------------------
+
+TINY_S1 = ["data.num_clients=12", "data.params.size_scale=0.05", "federation.clients_per_round=6"]
+
+
+def _pipelines():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipelines"))
+
+
+def test_robustness_pipeline_logs_parent_table_plots_and_children(tmp_path):
+    _pipelines()
+    import robustness
+    from pfl.tracking import client
+
+    result = robustness.run(["s1"], ["fpfc", "fedavg"], ["gaussian"], [0.0, 0.4], rounds=2, overrides=TINY_S1,
+                            experiment="robustness_test", out=tmp_path, progress=None)
+    rows = result["rows"]
+    assert [(r["method"], r["attack"], r["fraction"]) for r in rows] == [
+        ("fpfc", "none", 0.0), ("fpfc", "gaussian", 0.4), ("fedavg", "none", 0.0), ("fedavg", "gaussian", 0.4)]
+    assert all(r["status"] == "FINISHED" for r in rows)
+    assert [r["benign_clients"] for r in rows] == [12, 7, 12, 7]          # round(12 · 0.4) = 5 malicious
+    assert "| fpfc |" in result["table"] and len(result["drops"]) == 2
+    assert (tmp_path / "robustness_table.md").is_file() and (tmp_path / "benign_acc_vs_fraction_gaussian.png").is_file()
+    mc = client()
+    parent = mc.get_run(result["parent_run_id"])
+    top = {a.path for a in mc.list_artifacts(parent.info.run_id)}
+    assert {"robustness_table.csv", "robustness_table.md", "plots"} <= top
+    plots = {a.path for a in mc.list_artifacts(parent.info.run_id, "plots")}
+    assert plots == {"plots/benign_acc_vs_fraction_gaussian.png"}
+    children = mc.search_runs([parent.info.experiment_id],
+                              filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    names = {r.info.run_name: r for r in children}
+    assert set(names) == {"s1/fpfc/clean", "s1/fpfc/gaussian/0.4", "s1/fedavg/clean", "s1/fedavg/gaussian/0.4"}
+    attacked = names["s1/fpfc/gaussian/0.4"]
+    assert attacked.data.metrics["attack/benign_clients"] == 7
+    assert attacked.data.params["attack.kind"] == "gaussian" and attacked.data.params["method.lam"] == "0.6"
+    assert "attack_malicious.csv" in {a.path for a in mc.list_artifacts(attacked.info.run_id)}
+    assert "attack/benign_clients" not in names["s1/fpfc/clean"].data.metrics
+
+
+def test_robustness_pipeline_cli_rejects_bad_input():
+    _pipelines()
+    import robustness
+
+    assert robustness.main(["--fractions", "1.0", "--no-track"]) == 2
+    assert robustness.main(["--scenarios", "s1", "--methods", "fpfc", "--fractions", "0", "--no-track",
+                            "--set", "attack.gaussian_std=-1"]) == 2
+
+
+def test_newcomers_pipeline_prints_table_3_beside_the_paper(tmp_path):
+    _pipelines()
+    import newcomers
+    from pfl.tracking import client
+
+    result = newcomers.run(["s1"], ["local", "fpfc"], rounds=2, join_rounds=2, overrides=TINY_S1,
+                           experiment="newcomers_test", out=tmp_path, progress=None)
+    rows = {r["method"]: r for r in result["rows"]}
+    assert set(rows) == {"local", "fpfc"} and all(r["status"] == "FINISHED" for r in rows.values())
+    assert rows["fpfc"]["paper_acc"] == 0.7931 and rows["local"]["paper_acc"] == 0.79
+    assert 0 <= rows["fpfc"]["acc"] <= 1 and rows["fpfc"]["ari"] == rows["fpfc"]["ari"]   # a number
+    assert rows["local"]["join_steps"] == 2 and rows["local"]["join_bytes"] == 0
+    assert "79.31 (0.08)" in result["table"]
+    mc = client()
+    parent = mc.get_run(result["parent_run_id"])
+    assert {"newcomers_table.csv", "newcomers_table.md"} <= {a.path for a in mc.list_artifacts(parent.info.run_id)}
+    children = mc.search_runs([parent.info.experiment_id],
+                              filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    by = {r.info.run_name: r for r in children}
+    assert set(by) == {"s1/local", "s1/fpfc"}
+    assert by["s1/fpfc"].data.params["newcomers.fraction"] == "0.2"
+    assert "newcomer/acc_mean" in by["s1/fpfc"].data.metrics and "newcomer/ari" in by["s1/fpfc"].data.metrics
+    assert "newcomers.csv" in {a.path for a in mc.list_artifacts(by["s1/fpfc"].info.run_id)}
+
+
+def test_fpfc_combines_its_shared_body_by_the_robust_rule():
+    cfg = small_config(method__name="fpfc", method__shared_layers="body", method__aggregator="median",
+                       federation__clients_per_round=5, federation__rounds=1)
+    sim = Simulator(cfg)
+    sampled = sim.sample(0)
+    sim.method.begin_round(0, sampled)
+    replies = {c: sim.client_step(0, c, sim.deliver(sim.method.broadcast(0, c), "down", 0, c)) for c in sampled}
+    sim.method.aggregate(0, replies)
+    direct = coordinate_median([r.tensors() for r in replies.values()], sim.method.shared)
+    assert sim.method.shared and all(torch.allclose(sim.method.body[k], direct[k]) for k in sim.method.shared)
+
+
+def test_fpfc_refuses_a_robust_rule_with_nothing_shared_and_checks_the_rule():
+    with pytest.raises(ConfigError, match="method.aggregator.*shared_layers"):
+        small_config(method__name="fpfc", method__aggregator="median")
+    with pytest.raises(ConfigError, match="method.byzantine_share"):
+        small_config(method__name="fpfc_l1", method__shared_layers="body", method__aggregator="krum",
+                     method__byzantine_share=-0.5)
+    with pytest.raises(ConfigError, match="method.byzantine_share"):
+        small_config(method__name="fedavg", method__aggregator="krum", method__byzantine_share=-0.5)
+    assert small_config(method__name="fpfc", method__shared_layers="body",
+                        method__aggregator="trimmed_mean").method.hparams.aggregator == "trimmed_mean"
+
+
+def test_krum_breaks_the_tie_of_mutually_nearest_replies_by_position():
+    # n − f − 2 = 1: a reply's score is the distance to its nearest neighbour, so the closest pair ties
+    g = torch.Generator().manual_seed(11)
+    base = torch.randn(6, 50, generator=g, dtype=torch.float64) * 3
+    base[4] = base[1] + 1e-3 * torch.randn(50, generator=g, dtype=torch.float64)   # 1 and 4: the closest pair
+    for perturb in (0.0, 1e-13):      # rounding-sized noise must not change the pick
+        x = base.clone()
+        x[4] += perturb
+        scores = krum_scores(x, 3)
+        assert scores[1] == scores[4] and int(torch.argmin(scores)) == 1
+        models = [{"w": r.float()} for r in x]
+        assert krum(models, 3)[1] == [1]
+
+
+def test_attack_and_newcomer_metrics_are_in_the_sweep_catalog():
+    """A sweep may optimise ``newcomer/acc_mean`` or read ``attack/benign_clients``: both are catalogued,
+    and only for configs that report them."""
+    from pfl.evaluation import metric_known, reported_metrics
+
+    cfg = small_config(method__name="fpfc", attack__kind="gaussian", attack__fraction=0.2, newcomers__fraction=0.2,
+                       newcomers__rounds=2, federation__rounds=2)
+    sim = Simulator(cfg)
+    sim.run()
+    logged = {k for row in sim.history for k in row if k not in ("round", "step")} | set(sim.join_result)
+    assert {"attack/benign_clients", "newcomer/acc_mean", "newcomer/clusters", "comm/join_up_bytes"} <= logged
+    catalog = reported_metrics(cfg)
+    assert [k for k in sorted(logged) if not metric_known(k, catalog)] == []
+    plain = reported_metrics(small_config(method__name="fpfc"))
+    assert not metric_known("newcomer/acc_mean", plain) and not metric_known("attack/benign_clients", plain)
+
+
+@pytest.mark.parametrize("name, extra", [("fedavg", {"method__aggregator": "krum"}), ("fpfc", {}),
+                                         ("ifca", {"method__k": 2})])
+def test_attacks_and_robust_rules_act_alike_on_sequential_and_vectorized_cohorts(name, extra):
+    """The attack is a transform at the delivery boundary, which both cohort paths cross per client: the
+    attacked uploads are the same draws, the benign ones agree up to float rounding, newcomers join alike."""
+    kw = dict(method__name=name, attack__kind="gaussian", attack__fraction=0.3, newcomers__fraction=0.2,
+              newcomers__rounds=2, federation__rounds=2, **extra)
+    seq = Simulator(small_config(federation__cohort="sequential", **kw))
+    vec = Simulator(small_config(federation__cohort="vectorized", **kw))
+    assert not seq.vectorized and vec.vectorized and seq.malicious == vec.malicious
+    seq.run()
+    vec.run()
+    for a, b in zip(seq.history, vec.history):
+        for key in ("test/acc_mean", "attack/benign_clients", "comm/up_bytes"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+    assert seq.join_result.keys() == vec.join_result.keys()
+    assert vec.join_result["newcomer/acc_mean"] == pytest.approx(seq.join_result["newcomer/acc_mean"], abs=1e-6)
+    if name == "fpfc":
+        bad = sorted(seq.malicious)
+        assert torch.allclose(vec.method.W[bad], seq.method.W[bad], rtol=1e-5, atol=1e-4)
+        assert seq.method.W[bad].abs().max() > 50       # noise, not what they trained
+
+
+def test_attacks_refuse_an_encoded_uplink_before_any_work():
+    with pytest.raises(ConfigError, match="attack.kind.*compression.uplink"):
+        small_config(attack__kind="gaussian", attack__fraction=0.2, compression__uplink={"name": "qsgd", "s": 7})
+    with pytest.raises(ConfigError, match="attack.kind.*encodes its own uplink"):
+        small_config(method__name="diana", attack__kind="sign_flip", attack__fraction=0.2)
+    # a compressed downlink leaves the uploads plain: allowed
+    cfg = small_config(attack__kind="gaussian", attack__fraction=0.2, compression__downlink={"name": "fp16"})
+    assert cfg.attack.kind == "gaussian"
+
+
+@pytest.mark.parametrize("name", ["diana", "lag"])
+def test_methods_with_their_own_encoded_aggregation_refuse_a_robust_rule(name):
+    with pytest.raises(ConfigError, match="method.aggregator"):
+        small_config(method__name=name, method__aggregator="median")
+    assert small_config(method__name=name).method.hparams.aggregator == "mean"
