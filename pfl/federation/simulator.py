@@ -122,6 +122,7 @@ class Simulator:
         self.ctx = RunContext(cfg=cfg, meta=FederationMeta.of(self.data), model=model, device=self.device,
                               newcomers=newcomer_clients(cfg, m))
         self.malicious: frozenset[int] = frozenset(malicious_clients(cfg, m))
+        self._newcomer_ids = frozenset(self.ctx.newcomers)
         self.newcomers_joined = False          # the newcomers have joined (evaluated with everyone)
         self.join_result: dict | None = None   # their metrics, once joined
         method_cls = get_method(cfg.method.name)
@@ -371,7 +372,7 @@ class Simulator:
         if self.malicious:
             row["malicious"] = int(row["client"] in self.malicious)
         if self.ctx.newcomers:
-            row["newcomer"] = int(row["client"] in set(self.ctx.newcomers))
+            row["newcomer"] = int(row["client"] in self._newcomer_ids)
         return row
 
     def join_newcomers(self) -> dict[str, float]:
