@@ -248,3 +248,74 @@ def test_the_path_resumes_from_its_state_dict_and_ends_as_the_straight_run():
     assert loop.run(until=math.inf).status == "FINISHED"
     assert resumed.result(loop).best_lambda == straight.best_lambda
     assert loop.summary["fpfc/total_rounds"] == straight.total_rounds
+
+
+# ---- the comparison's counting (pfl/tune/path_compare.py) ------------------------------------------
+
+def _path(seed, rounds, compute, val, test, lam, stages):
+    return {"seed": seed, "selected_lambda": lam, "val": val, "test": test, "clusters": 4.0, "ari": 1.0,
+            "rounds": rounds, "compute_s": compute, "converged": 1.0,
+            "stages": [{"lambda": l, "rounds": r, "converged": c, "val": v, "wall_s": r / 4} for l, r, c, v in stages]}
+
+
+def _run(seed, lam, rounds, val, test, converged=1.0):
+    return {"seed": seed, "lambda": lam, "val": val, "test": test, "clusters": 4.0, "ari": 1.0, "rounds": rounds,
+            "compute_s": rounds / 4, "converged": converged}
+
+
+def test_both_strategies_are_counted_per_seed_with_every_trial_and_the_spread_over_seeds():
+    from pfl.tune.path_compare import markdown, per_lambda, separate_per_seed, strategy_row, verdict
+
+    paths = [_path(0, 1000, 250, 0.86, 0.85, 0.8, [(0.4, 470, 1, 0.83), (0.8, 60, 1, 0.86), (1.2, 40, 1, 0.85)]),
+             _path(1, 1200, 300, 0.88, 0.87, 0.8, [(0.4, 520, 1, 0.84), (0.8, 80, 0, 0.88), (1.2, 40, 1, 0.86)])]
+    runs = [_run(0, 0.4, 470, 0.84, 0.83), _run(0, 0.8, 660, 0.80, 0.81), _run(0, 1.2, 1500, 0.82, 0.80, 0.0),
+            _run(1, 0.4, 500, 0.83, 0.82), _run(1, 0.8, 700, 0.85, 0.86), _run(1, 1.2, 900, 0.84, 0.83)]
+    per_seed = separate_per_seed(runs)
+    # seed 0: 470 + 660 + 1500 rounds, λ 0.4 best by validation; seed 1: 2100 rounds, λ 0.8
+    assert [(s["selected_lambda"], s["rounds"], s["test"], s["converged"]) for s in per_seed] == \
+        [(0.4, 2630, 0.83, 2), (0.8, 2100, 0.86, 3)]
+    warm, sep = strategy_row("warmup", paths), strategy_row("separate", per_seed)
+    assert warm["rounds"] == 1100 and warm["rounds_sd"] == pytest.approx(math.sqrt(2 * 100 ** 2))
+    assert sep["rounds"] == 2365 and sep["rounds_sd"] == pytest.approx(265 * math.sqrt(2))
+    assert sep["test"] == pytest.approx(0.845) and sep["test_sd"] == pytest.approx(0.015 * math.sqrt(2))
+    assert sep["models"] == 6 and sep["converged"] == 5 and warm["spread_over"] == "2 seeds"
+    line = verdict(warm, sep)
+    # +1.5 pt against ± √(0.01414² + 0.02121²) = 2.55 pt: within the spread; 2365 / 1100 = 2.15×
+    assert "+1.50 pt (within the spread of ± 2.55 pt)" in line and "2.1× fewer rounds" in line
+    rows = {r["lambda"]: r for r in per_lambda(paths, runs)}
+    assert rows[0.8]["warmup_rounds"] == 70 and rows[0.8]["warmup_capped"] == 1
+    assert rows[1.2]["separate_rounds"] == 1200 and rows[1.2]["separate_capped"] == 1
+    text = markdown([warm, sep], list(rows.values()))
+    assert "| 1.2 | 40 | 1200 (1 of 2 at the cap) |" in text and "| warmup | 0.8, 0.8 |" in text
+
+
+def test_with_one_seed_the_warmup_spread_comes_from_its_search_trials_and_is_labelled_so():
+    from pfl.tune.path_compare import separate_per_seed, strategy_row, verdict
+
+    path = _path(0, 1000, 250, 0.86, 0.85, 0.8, [(0.4, 470, 1, 0.83)])
+    search = [path, _path(0, 1100, 270, 0.84, 0.81, 1.0, [])]
+    warm = strategy_row("warmup", [path], noise_from=search)
+    assert warm["test"] == 0.85 and warm["test_sd"] == pytest.approx(0.04 / math.sqrt(2))
+    assert warm["rounds"] == 1000 and warm["spread_over"] == "2 search trials (other ρ, lr)"
+    sep = strategy_row("separate", separate_per_seed([_run(0, 0.4, 470, 0.84, 0.845)]))
+    assert sep["test_sd"] != sep["test_sd"] and sep["spread_over"] == "none (one seed)"
+    assert "+0.50 pt (within the spread of ± 2.83 pt)" in verdict(warm, sep)
+
+
+def test_the_tuning_space_holds_out_validation_as_a_fifth_of_each_devices_training_part():
+    """Spec §4: validation = 20 % of the training part (80/20 train/test first: 64/16/20), in the λ
+    tuning's space only, so every other run keeps its split."""
+    from pathlib import Path
+
+    from pfl.config import resolve
+    from pfl.data import load_federated
+    from pfl.tune.space import base_config, load_space
+
+    space = load_space(Path(__file__).resolve().parents[1] / "search_spaces" / "fpfc.yaml")
+    cfg = resolve(base_config(space, ["data.params.size_scale=0.05", "data.num_clients=40"]))
+    data = load_federated(cfg.data, cfg.seed)
+    for client in data.clients:
+        n = client.n_train + client.n_val + client.n_test
+        assert abs(client.n_test - 0.2 * n) <= 0.5
+        assert abs(client.n_val - 0.2 * (client.n_train + client.n_val)) <= 1.0, (n, client.n_val, client.n_train)
+    assert resolve({}).data.val_fraction == 0.1            # the default split is unchanged

@@ -82,8 +82,9 @@ class PathSettings:
         least = (self.window + 1) * self.eval_every
         if 0 < self.min_stage_rounds < least:
             # the rule needs window + 1 evaluations, so a smaller minimum would have no effect
-            raise ConfigError(key("min_stage_rounds"), f"allowed: 0 or at least (window + 1) × eval_every = {least} "
-                                                       f"(the convergence rule's own minimum), got {self.min_stage_rounds}")
+            raise ConfigError(key("min_stage_rounds"), f"allowed: 0 or at least (window + 1) × eval_every = "
+                                                       f"{least} (the convergence rule's own minimum), got "
+                                                       f"{self.min_stage_rounds}")
 
     def ordered(self) -> list[float]:
         return sorted(self.lambdas, reverse=self.direction == "descending")
@@ -139,7 +140,7 @@ def score_of(task: str) -> tuple[str, float]:
 PATH_METRICS = ("fpfc/selected_lambda", "fpfc/total_rounds", "fpfc/path_stages", "fpfc/lineage_rounds",
                 "fpfc/converged", "fpfc/path_rounds", "fpfc/playoff_total_rounds", "fpfc/final_rounds",
                 "fpfc/grid_extended", "fpfc/decline_reached", "fpfc/budget_reached", "fpfc/trial_wall_s",
-                "stage/*", "playoff/*")
+                "fpfc/compute_s", "stage/*", "playoff/*")
 
 
 @dataclass
@@ -334,7 +335,7 @@ class LambdaPath(Callback):
             "fpfc/path_rounds": float(sum(s["rounds"] for s in stages)),
             "fpfc/playoff_total_rounds": float(sum(m["rounds"] for m in playoff)),
             "fpfc/budget_reached": float(sim.round >= self.settings.budget),
-            "fpfc/trial_wall_s": st["wall_s"]}
+            "fpfc/trial_wall_s": st["wall_s"], "fpfc/compute_s": float(sim.elapsed)}
         if self.strategy == "warmup":
             summary["fpfc/grid_extended"] = float(st["extended"])
             summary["fpfc/decline_reached"] = float(best_index < len(stages) - 1)
