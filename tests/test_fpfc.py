@@ -345,6 +345,26 @@ def test_lambda_path_playoff_continues_the_best_stages_to_equal_rounds_from_thei
     assert result.total_rounds == len(expected)
 
 
+def test_lambda_path_on_a_regression_source_selects_by_rmse_and_ends():
+    from pfl.config import load
+    from pfl.tune.lambda_path import PathSettings, warmup_path
+
+    cfg = load(None, {"data.source": "fpfc_linear", "data.num_clients": 10, "data.val_fraction": 0.2,
+                      "data.params.size_scale": 0.1, "method.name": "fpfc", "federation.rounds": 10**6,
+                      "federation.clients_per_round": 5, "federation.batch_size": 0, "federation.local_steps": 5,
+                      "federation.lr": 0.05, "tracking.enabled": False})
+    sim = Simulator(cfg)
+    settings = PathSettings(lambdas=[0.2, 0.4], eval_every=2, stage_cap=10, window=1, tolerance=1e-3, extend=1,
+                            finalists=2, playoff_rounds=2, budget=30)
+    result = warmup_path(sim, settings)     # only val/rmse_mean is reported: the path must still end
+    rmse = {s["lambda"]: s["val/rmse_mean"] for s in result.stages}
+    assert "val/acc_mean" not in result.stages[0] and sim.round <= settings.budget
+    assert list(rmse) == [0.2, 0.4, 0.6] and rmse[0.6] < rmse[0.4]   # RMSE still falling: the grid extended
+    finalists = sorted(rmse, key=rmse.get)[:2]             # the lowest validation RMSE, not the highest
+    assert {m["lambda"] for m in result.extra["playoff"]} == set(finalists)
+    assert result.best_lambda == min(result.extra["playoff"], key=lambda m: m["val/rmse_mean"])["lambda"]
+
+
 def test_reproduce_pipeline_runs_the_label_swap_scenario_with_its_fpfc_setting():
     import sys
     from pathlib import Path
