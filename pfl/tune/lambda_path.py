@@ -168,6 +168,8 @@ class LambdaPath(Callback):
     key = "lambda_path"
     #: what the schedule changes: logged at the end as the final model's λ and the rounds run
     steered_keys = ("method.lam", "federation.rounds")
+    #: metrics that mark an event of one round (a stage or match end), not the run's state
+    event_prefixes = ("stage/", "playoff/")
 
     def __init__(self, settings: PathSettings, strategy: str = "warmup",
                  on_stage: Callable[[int, Stage], None] | None = None):
@@ -233,9 +235,9 @@ class LambdaPath(Callback):
         if self.on_stage is not None:
             self.on_stage(st["index"], record)
         score = st["scores"][-1]
-        self._keep_best(sim, score, record, metrics)
+        self._keep_best(sim, score, record)
         if score > st["best"]:
-            st["best"], st["below"] = score, 0
+            st["best"], st["below"], st["best_index"] = score, 0, len(st["stages"]) - 1
         else:
             st["below"] += 1
         st["index"] += 1
@@ -250,7 +252,7 @@ class LambdaPath(Callback):
             self._segment(sim, st["lambdas"][st["index"]], min(cfg.stage_cap, cfg.budget - sim.round),
                           stop_early=True)
 
-    def _keep_best(self, sim, score: float, record: Stage, metrics: dict) -> None:
+    def _keep_best(self, sim, score: float, record: Stage) -> None:
         """Snapshot the model into the finalists (best first) if this stage is among the best."""
         finalists, size = self.st["finalists"], self.settings.finalists
         if len(finalists) >= size and score <= finalists[-1]["score"]:
@@ -326,8 +328,6 @@ class LambdaPath(Callback):
         st["phase"], st["final"] = "done", final
         stages = st.get("stages", [])
         playoff = st.get("playoff", [])
-        best_index = max(range(len(stages)), key=lambda i: self.sign * stages[i].get(self.metric, -math.inf),
-                         default=0)
         summary = {
             "fpfc/selected_lambda": final["lambda"], "fpfc/total_rounds": float(sim.executed),
             "fpfc/path_stages": float(len(stages) or 1), "fpfc/lineage_rounds": float(sim.round),
@@ -338,7 +338,7 @@ class LambdaPath(Callback):
             "fpfc/trial_wall_s": st["wall_s"], "fpfc/compute_s": float(sim.elapsed)}
         if self.strategy == "warmup":
             summary["fpfc/grid_extended"] = float(st["extended"])
-            summary["fpfc/decline_reached"] = float(best_index < len(stages) - 1)
+            summary["fpfc/decline_reached"] = float(st.get("best_index", 0) < len(stages) - 1)
         # the selected model itself, with the final read-out: every reported metric is this model's
         # (after a playoff the last evaluated model may be another finalist's)
         evaluated = sim.evaluate(final=True)
