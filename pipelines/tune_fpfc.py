@@ -298,7 +298,8 @@ def pipeline_run(name: str, args, preset: str | None, settings):
                               "mlflow.note.content": "FPFC's λ tuning: a warm-started λ path against every λ "
                                                      "trained from scratch (the paper's Table 2). The two "
                                                      "sweeps are child runs, their trials grandchildren."})
-    top.log_params({"space": args.space, "preset": preset or "default", "strategy": args.strategy, "seeds": args.seeds,
+    top.log_params({"space": args.space, "preset": preset or "default", "strategy": args.strategy,
+                    "seeds": args.seeds,
                     **{f"path.{k}": v for k, v in to_dict(settings).items()}})
     state.parent.mkdir(parents=True, exist_ok=True)
     state.write_text(json.dumps({"run_id": top.run_id}))
@@ -326,6 +327,9 @@ def explanation(ctx, rows: list[dict]) -> list[str]:
             lines.append(f"separate: every λ the warm-up visited trained from scratch {rule}, at most {s.budget} "
                          "rounds; the λ with the best final validation score selected.")
     search = sum(r["rounds"] for r in ctx.search)
+    lines.append("columns: val / test acc = mean over clients of each client's own model on its validation / test "
+                 "split, for the selected model (evaluated once more at the end, with the final read-out); clusters "
+                 "and ARI = that model's read-out (components of ‖θ_ij‖ < ν) against the true clusters.")
     lines.append(
         "counting: rounds = every round one side computed for one (ρ, lr) setting and seed (warm-up: its path, "
         "playoff and final continuation; separate: every λ's run); compute s = those rounds' own time summed "
