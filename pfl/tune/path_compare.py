@@ -129,12 +129,16 @@ def markdown(rows: list[dict], lambdas: list[dict]) -> str:
 
 
 def verdict(warm: dict, sep: dict) -> str:
-    """The closing line: λ, accuracy difference against its spread, rounds and compute ratios."""
+    """The closing line: λ, accuracy difference against its spread (both sides' spreads combined;
+    a side without one is named), rounds and compute ratios."""
     diff = 100 * (warm["test"] - sep["test"])
     sds = [s for s in (warm["test_sd"], sep["test_sd"]) if s == s]
     if sds:
         noise = 100 * math.sqrt(sum(s * s for s in sds))
         within = f"{'within' if abs(diff) <= noise else 'beyond'} the spread of ± {noise:.2f} pt"
+        missing = [r["strategy"] for r in (warm, sep) if r["test_sd"] != r["test_sd"]]
+        if missing:
+            within += f"; the {missing[0]} side's spread not measured"
     else:
         within = "no spread measured: one seed, one trial"
     rounds = sep["rounds"] / warm["rounds"] if warm["rounds"] else math.nan
