@@ -180,7 +180,10 @@ class Context:
 
     def separate(self) -> int:
         # every λ the warm-up visited (the grid, and any λ it extended the grid by)
-        grid = sorted(set(self.settings.lambdas) | {st["lambda"] for p in self.paths for st in p["stages"]})
+        # larger λ first: on S1 their fused models take longest to converge, and started last they would
+        # run alone at the end while the other CPU idles (the order changes no result)
+        grid = sorted(set(self.settings.lambdas) | {st["lambda"] for p in self.paths for st in p["stages"]},
+                      reverse=True)
         search = {"method.lam": grid, **({"seed": self.seeds} if len(self.seeds) > 1 else {})}
         print(f"\n== separate strategy: every λ of {grid} from scratch until convergence "
               f"(at most {self.settings.budget} rounds), seeds {self.seeds} ==")
