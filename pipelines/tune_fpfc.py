@@ -204,7 +204,7 @@ class Context:
                 "val": float(row[self.metric]), "test": float(row.get(test, float("nan"))),
                 "clusters": float(row.get("cluster/num", float("nan"))),
                 "ari": float(row.get("cluster/ari", float("nan"))),
-                "rounds": float(row["fpfc/total_rounds"]), "compute_s": float(row["fpfc/compute_s"]),
+                "rounds": float(row["fpfc/total_rounds"]), "compute_s": float(row["fpfc/cpu_s"]),
                 "converged": float(row["fpfc/converged"])}
 
     def path_record(self, row, stages: bool) -> dict:
@@ -217,7 +217,7 @@ class Context:
             record["stages"] = [{"lambda": st["lambda"], "rounds": st.get("rounds", float("nan")),
                                  "converged": st.get("converged", 0.0), "val": st.get(self.metric, float("nan")),
                                  "clusters": st.get("cluster/num", float("nan")),
-                                 "wall_s": st.get("wall_s", float("nan"))}
+                                 "compute_s": st.get("cpu_s", float("nan"))}
                                 for st in stage_history(row["mlflow_run_id"])]
         return record
 
@@ -335,8 +335,8 @@ def explanation(ctx, rows: list[dict]) -> list[str]:
                  "and ARI = that model's read-out (components of ‖θ_ij‖ < ν) against the true clusters.")
     lines.append(
         "counting: rounds = every round one side computed for one (ρ, lr) setting and seed (warm-up: its path, "
-        "playoff and final continuation; separate: every λ's run); compute s = those rounds' own time summed "
-        "(evaluations excluded; trials shared the CPUs in parallel, so the sweeps' wall times "
+        "playoff and final continuation; separate: every λ's run); compute s = the CPU seconds of those trials "
+        "(rounds and evaluations; on shared CPUs a round's wall time moves with the load, so the sweeps' wall times "
         + ", ".join(f"{k} {v:.0f} s" for k, v in ctx.walls.items()) + " are not like for like); the (ρ, lr) search "
         f"({len(ctx.search)} warm-up trial(s), {search:.0f} rounds, the best of them the first seed's path) is charged "
         "to neither side; ± = sample standard deviation over seeds, or with one seed the spread of the warm-up "

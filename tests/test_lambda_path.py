@@ -256,7 +256,7 @@ def test_the_path_resumes_from_its_state_dict_and_ends_as_the_straight_run():
 def _path(seed, rounds, compute, val, test, lam, stages):
     return {"seed": seed, "selected_lambda": lam, "val": val, "test": test, "clusters": 4.0, "ari": 1.0,
             "rounds": rounds, "compute_s": compute, "converged": 1.0,
-            "stages": [{"lambda": l, "rounds": r, "converged": c, "val": v, "wall_s": r / 4} for l, r, c, v in stages]}
+            "stages": [{"lambda": l, "rounds": r, "converged": c, "val": v, "compute_s": r / 4} for l, r, c, v in stages]}
 
 
 def _run(seed, lam, rounds, val, test, converged=1.0):

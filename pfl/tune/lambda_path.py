@@ -140,7 +140,7 @@ def score_of(task: str) -> tuple[str, float]:
 PATH_METRICS = ("fpfc/selected_lambda", "fpfc/total_rounds", "fpfc/path_stages", "fpfc/lineage_rounds",
                 "fpfc/converged", "fpfc/path_rounds", "fpfc/playoff_total_rounds", "fpfc/final_rounds",
                 "fpfc/grid_extended", "fpfc/decline_reached", "fpfc/budget_reached", "fpfc/trial_wall_s",
-                "fpfc/compute_s", "stage/*", "playoff/*")
+                "fpfc/compute_s", "fpfc/cpu_s", "stage/*", "playoff/*")
 
 
 @dataclass
@@ -180,27 +180,29 @@ class LambdaPath(Callback):
         self.on_stage = on_stage
         self.st: dict[str, Any] = {}   # the position; empty before the first round
         self._clock = time.perf_counter()
+        self._cpu = time.process_time()
 
     # ---- segments ------------------------------------------------------------------------------
     def _segment(self, sim, lam: float, cap: int, stop_early: bool) -> None:
         set_lambda(sim, lam)
         self.st.update(lam=float(lam), start=sim.round, cap=int(cap), stop_early=stop_early, scores=[],
-                       t0=sim.elapsed)
+                       t0=sim.elapsed, c0=self.st.get("cpu_s", 0.0))
 
     def on_start(self, loop: RoundLoop) -> None:
         sim = loop.sim
         self.metric, self.sign = score_of(sim.data.task)
-        self._clock = time.perf_counter()
+        self._clock, self._cpu = time.perf_counter(), time.process_time()
         if self.st:
             return  # resumed from a checkpoint: the position came with it
         require_validation(sim.cfg)
         cfg = self.settings
         if self.strategy == "separate":
-            self.st = {"phase": "separate", "wall_s": 0.0}
+            self.st = {"phase": "separate", "wall_s": 0.0, "cpu_s": 0.0}
             self._segment(sim, sim.method.hp.lam, cfg.budget - sim.round, stop_early=True)
             return
         self.st = {"phase": "path", "lambdas": cfg.ordered(), "index": 0, "stages": [], "finalists": [],
-                   "best": -math.inf, "below": 0, "extended": 0, "playoff": [], "match": 0, "wall_s": 0.0}
+                   "best": -math.inf, "below": 0, "extended": 0, "playoff": [], "match": 0, "wall_s": 0.0,
+                   "cpu_s": 0.0}
         self._segment(sim, self.st["lambdas"][0], min(cfg.stage_cap, cfg.budget - sim.round), stop_early=True)
 
     def wants_eval(self, loop: RoundLoop, rnd: int) -> bool:
@@ -208,10 +210,13 @@ class LambdaPath(Callback):
         return done % self.settings.eval_every == 0 or done >= self.st["cap"]
 
     def on_round(self, loop: RoundLoop, metrics: dict[str, float]) -> None:
-        now = time.perf_counter()
+        # CPU seconds as well as wall time: on a shared machine the wall time of a round depends on the
+        # load of the moment, its CPU time (one thread per trial) hardly
+        now, cpu = time.perf_counter(), time.process_time()
         sim, st, cfg = loop.sim, self.st, self.settings
         st["wall_s"] += now - self._clock
-        self._clock = now
+        st["cpu_s"] += cpu - self._cpu
+        self._clock, self._cpu = now, cpu
         rounds = sim.round - st["start"]
         if self.metric not in metrics:
             if rounds % cfg.eval_every == 0 or rounds >= st["cap"]:  # an evaluation this schedule asked for
@@ -224,7 +229,7 @@ class LambdaPath(Callback):
         if not (settled or rounds >= st["cap"]):
             return
         record = stage_record(st["lam"], metrics, rounds, sim.elapsed - st["t0"], converged=float(settled),
-                              lineage=float(sim.round))
+                              lineage=float(sim.round), cpu_s=st["cpu_s"] - st["c0"])
         getattr(self, f"_end_{st['phase']}")(loop, metrics, record)
 
     # ---- the path ------------------------------------------------------------------------------
@@ -284,7 +289,7 @@ class LambdaPath(Callback):
             return
         # already at the playoff's total (the latest finalist with playoff_rounds 0, or the budget)
         set_lambda(loop.sim, candidate["lam"])
-        self._match_done(loop, metrics, dict(candidate["record"], rounds=0.0, wall_s=0.0, converged=0.0),
+        self._match_done(loop, metrics, dict(candidate["record"], rounds=0.0, wall_s=0.0, cpu_s=0.0, converged=0.0),
                          candidate["score"])
 
     def _end_playoff(self, loop: RoundLoop, metrics: dict, record: Stage) -> None:
@@ -314,7 +319,7 @@ class LambdaPath(Callback):
         else:
             set_lambda(sim, winner["lam"])
             st.update(lam=winner["lam"], start=sim.round, t0=sim.elapsed)
-            self._finish(loop, dict(winner["record"], rounds=0.0, wall_s=0.0, converged=0.0))
+            self._finish(loop, dict(winner["record"], rounds=0.0, wall_s=0.0, cpu_s=0.0, converged=0.0))
 
     def _end_final(self, loop: RoundLoop, metrics: dict, record: Stage) -> None:
         self._finish(loop, record)
@@ -335,7 +340,7 @@ class LambdaPath(Callback):
             "fpfc/path_rounds": float(sum(s["rounds"] for s in stages)),
             "fpfc/playoff_total_rounds": float(sum(m["rounds"] for m in playoff)),
             "fpfc/budget_reached": float(sim.round >= self.settings.budget),
-            "fpfc/trial_wall_s": st["wall_s"], "fpfc/compute_s": float(sim.elapsed)}
+            "fpfc/trial_wall_s": st["wall_s"], "fpfc/compute_s": float(sim.elapsed), "fpfc/cpu_s": st["cpu_s"]}
         if self.strategy == "warmup":
             summary["fpfc/grid_extended"] = float(st["extended"])
             summary["fpfc/decline_reached"] = float(st.get("best_index", 0) < len(stages) - 1)

@@ -3,7 +3,8 @@
 Both sides are counted per setting of the other hyperparameters (ρ, lr) and per seed: the warm-up
 side is one λ path (its stages, playoff and final continuation), the separate side every λ of the
 grid trained from scratch; each trains until the same convergence rule. Rounds and compute are
-those of every trial of that side (compute: the rounds' own time, evaluations excluded). The
+those of every trial of that side (compute: the trials' CPU seconds, rounds and evaluations, which
+on shared CPUs depend far less on the load of the moment than wall time does). The
 search over (ρ, lr) that chose the setting is charged to neither side. With several seeds each
 figure is the mean ± the sample standard deviation over seeds; with one seed the warm-up side's
 spread over its search trials stands in (other ρ / lr, so an upper bound of noise), and a
@@ -13,7 +14,7 @@ Inputs are plain records, so the counting is testable without Ray or MLflow:
 
 * a path: ``seed``, ``selected_lambda``, ``val``, ``test``, ``clusters``, ``ari``, ``rounds``
   (all its rounds), ``compute_s``, ``stages`` (each ``lambda``, ``rounds``, ``converged``,
-  ``val``, ``clusters``, ``wall_s``), ``playoff_rounds``, ``final_rounds``, ``converged``, ``decline_reached``;
+  ``val``, ``clusters``, ``compute_s``), ``playoff_rounds``, ``final_rounds``, ``converged``, ``decline_reached``;
 * a separate run: ``seed``, ``lambda``, ``val``, ``test``, ``clusters``, ``ari``, ``rounds``,
   ``converged``, ``compute_s``.
 """
@@ -80,12 +81,12 @@ def per_lambda(paths: list[dict], runs: list[dict]) -> list[dict]:
                      "warmup_rounds": spread([s["rounds"] for s in stages])[0], "warmup_n": len(stages),
                      "warmup_capped": sum(1 for s in stages if not s["converged"]),
                      "warmup_val": spread([s["val"] for s in stages])[0],
-                     "warmup_wall_s": spread([s.get("wall_s", math.nan) for s in stages])[0],
+                     "warmup_compute_s": spread([s.get("compute_s", math.nan) for s in stages])[0],
                      "warmup_clusters": spread([s.get("clusters", math.nan) for s in stages])[0],
                      "separate_rounds": spread([r["rounds"] for r in scratch])[0], "separate_n": len(scratch),
                      "separate_capped": sum(1 for r in scratch if not r["converged"]),
                      "separate_val": spread([r["val"] for r in scratch])[0],
-                     "separate_wall_s": spread([r["compute_s"] for r in scratch])[0],
+                     "separate_compute_s": spread([r["compute_s"] for r in scratch])[0],
                      "separate_clusters": spread([r.get("clusters", math.nan) for r in scratch])[0]})
     return rows
 
@@ -124,7 +125,8 @@ def markdown(rows: list[dict], lambdas: list[dict]) -> str:
                          f"{_pm(r['warmup_val'], math.nan, '.4f')} | {_pm(r['separate_val'], math.nan, '.4f')} | "
                          f"{_pm(r['warmup_clusters'], math.nan, '.0f')} | "
                          f"{_pm(r['separate_clusters'], math.nan, '.0f')} | "
-                         f"{_pm(r['warmup_wall_s'], math.nan, '.0f')} | {_pm(r['separate_wall_s'], math.nan, '.0f')} |")
+                         f"{_pm(r['warmup_compute_s'], math.nan, '.0f')} | "
+                         f"{_pm(r['separate_compute_s'], math.nan, '.0f')} |")
     return "\n".join(lines)
 
 

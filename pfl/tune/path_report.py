@@ -14,7 +14,7 @@ from pathlib import Path
 STAGE_METRICS = {"lambda": "lambda", "val/acc_mean": "val_acc", "val/rmse_mean": "val_rmse",
                  "test/acc_mean": "test_acc", "test/rmse_mean": "test_rmse", "cluster/num": "clusters",
                  "cluster/ari": "ari", "rounds": "rounds", "converged": "converged", "lineage": "lineage_rounds",
-                 "wall_s": "compute_time_s"}
+                 "wall_s": "compute_time_s", "cpu_s": "cpu_time_s"}
 
 
 def stage_metrics(stage: dict, prefix: str = "stage/") -> dict[str, float]:
