@@ -57,5 +57,5 @@ class TuneReporter(Callback):
             # the last evaluation without the events of its round (a λ-path stage end), which the
             # final report would otherwise announce a second time
             events = tuple(p for cb in loop.callbacks for p in getattr(cb, "event_prefixes", ()))
-            last = {k: v for k, v in self.last_eval.items() if not k.startswith(events)} if events else self.last_eval
+            last = {k: v for k, v in self.last_eval.items() if not (events and k.startswith(events))}
             self._report(loop, {**last, **loop.summary}, checkpoint=False)

@@ -8,7 +8,7 @@ metrics; at the end of every path stage ``stage/lambda``, ``stage/val_acc``, ``s
 ``stage/clusters``, ``stage/ari``, ``stage/rounds``, ``stage/converged``, ``stage/lineage_rounds``
 (:mod:`pfl.tune.path_report`); at the end of every playoff match ``playoff/*`` (the same names); at
 the end the stage table (CSV), the playoff table and the λ-path plot (PNG). Both kinds report the
-``fpfc/*`` schedule metrics (selected λ, rounds, convergence, the trial's wall time) and the
+``fpfc/*`` schedule metrics (selected λ, rounds, convergence, the trial's CPU and wall time) and the
 selected model's metrics to Tune.
 """
 
