@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(args, argv: list[str] | None = None) -> int:
     import pandas as pd
 
-    from pfl.tracking import tracking_uri
+    from pfl.tracking import check_store, run_hint
     from pfl.tune.fpfc_trainable import fpfc_path_trainable, plot_path, stage_metrics
     from pfl.config import resolve
     from pfl.tune.lambda_path import PATH_METRICS, PathSettings, require_validation
@@ -94,6 +94,8 @@ def run(args, argv: list[str] | None = None) -> int:
     name = args.name or "tune_fpfc" + (f"-{preset}" if preset else "")
     resources = parse_resources(args.resources)
 
+    if resolve(raw).tracking.enabled:
+        check_store()  # an unreachable store fails here, before the pipeline's run or Ray
     started = time.perf_counter()
     top = pipeline_run(name, args, preset, settings)
     rows = []
@@ -161,8 +163,7 @@ def run(args, argv: list[str] | None = None) -> int:
     top.end("FINISHED")
 
     print("\n" + text)
-    print(f"\npipeline wall time {wall:.0f} s; MLflow pipeline run {top.run_id}; "
-          f"view: mlflow ui --backend-store-uri {tracking_uri()}")
+    print(f"\npipeline wall time {wall:.0f} s; " + run_hint(top.run_id, what="MLflow pipeline run"))
     return 0
 
 
@@ -233,6 +234,8 @@ def stopped(strategy: str, result, space, top, argv) -> int:
 
     print(f"\n== {strategy} strategy did not finish ==")
     code = print_outcome(result, space, argv)
+    if result.reason:  # the tracking store is gone: --resume closes the pipeline's run
+        return code
     top.set_tags({"pfl.status": result.status.lower()})
     top.end("KILLED" if result.status == "INTERRUPTED" else "FAILED")
     return code

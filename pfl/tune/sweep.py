@@ -10,7 +10,9 @@ continue from their checkpoints, and the parent's summary then describes the who
 How a sweep ends (``SweepResult.status``): ``FINISHED`` (every trial ran; some may have failed),
 ``FAILED`` (every trial failed; each reason is in ``failures``) or ``INTERRUPTED`` (SIGINT or
 SIGTERM: Tune stops the trials and saves its state; the parent and the unfinished trials' runs are
-marked KILLED and no best is logged; ``exit_code`` is 130 or 143).
+marked KILLED and no best is logged; ``exit_code`` is 130 or 143). A tracking store that stops
+answering is also ``INTERRUPTED`` (``reason`` says so, ``exit_code`` 1): the trials it cut off
+fail with that reason, and ``resume=True`` once it is back runs them again in their MLflow runs.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from typing import Any, Callable
 import pandas as pd
 
 from ..schema import ConfigError
-from ..tracking import Tracker, check_store, client, export_environment
+from ..tracking import Tracker, check_store, client, export_environment, tracking_uri, worker_environment
+from ..tracking_store import TrackingStoreError, store_lost
 from .space import SearchSpace, base_config, check_space, grid_size
 
 log = logging.getLogger(__name__)
@@ -118,7 +121,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
 
     if ray.is_initialized():
         return "already initialised"
-    env = export_environment()
+    env = worker_environment()
     address = address or os.environ.get("RAY_ADDRESS")
     kwargs: dict[str, Any] = dict(runtime_env={"env_vars": env}, log_to_driver=False, configure_logging=False)
     if address:
@@ -320,6 +323,8 @@ def _end_run(trial, status: str, reason: str | None) -> None:
             if reason and "pfl.failure" not in run.data.tags:
                 mc.set_tag(run_id, "pfl.failure", reason)
             mc.set_terminated(run_id, status=status)
+    except TrackingStoreError:  # the trial's failed: line says so; --resume closes the run
+        pass
     except Exception as err:  # tracking must never take the sweep down
         log.warning("could not close MLflow run %s: %s", run_id, err)
 
@@ -338,6 +343,7 @@ class SweepResult:
     exit_code: int = 0
     failures: dict[str, str] = field(default_factory=dict)   # trial label -> reason
     expected_trials: int = 0
+    reason: str = ""                    # why an INTERRUPTED sweep stopped, when not a signal
 
 
 def saved_trials(exp_path: Path) -> list:
@@ -480,8 +486,11 @@ def run_sweep(space: SearchSpace, *, overrides: list[str] | None = None, smoke: 
     if resuming:
         state = json.loads(state_path.read_text())
         parent = Tracker.resume(state["parent_run_id"]) if state.get("parent_run_id") else Tracker.disabled()
+        # trials that failed because the tracking store was gone run again from their checkpoints
+        # (in their MLflow runs); Tune resumes errored trials all or none, so a trial that failed
+        # for another reason (a diverged loss) then runs again from its checkpoint and fails alike
         tuner = tune.Tuner.restore(str(exp_path), trainable=bind(state["setup"]), resume_unfinished=True,
-                                   resume_errored=False, restart_errored=False)
+                                   resume_errored=bool(state.get("store_lost")), restart_errored=False)
         if progress:
             progress(f"resuming {exp_path} (parent MLflow run {parent.run_id}; {previous_wall:.0f} s so far)")
     else:
@@ -541,7 +550,9 @@ def run_sweep(space: SearchSpace, *, overrides: list[str] | None = None, smoke: 
     finished = int((table["status"] == "OK").sum()) if len(table) else 0
     failed_rows = table[table["status"] == "FAILED"] if len(table) else table
     failures = {str(r["trial"]): str(r["error"]) for _, r in failed_rows.iterrows()}
-    complete = grid is not None and not received and finished + len(failures) >= expected
+    lost = parent.enabled and (any("TrackingStoreError" in r for r in failures.values())
+                               or store_lost(tracking_uri()))
+    complete = grid is not None and not received and not lost and finished + len(failures) >= expected
     best_config: dict[str, Any] = {}
     best_metrics: dict[str, float] = {}
     if complete:
@@ -555,24 +566,39 @@ def run_sweep(space: SearchSpace, *, overrides: list[str] | None = None, smoke: 
     else:
         status = "INTERRUPTED"
     exit_code = {"FINISHED": 0, "FAILED": 1}.get(status, 143 if signal.SIGTERM in received else 130)
-    if parent.enabled:
-        out = exp_path
-        if len(table):
-            _log_table(parent, table, out, space.metric, f"{name}: {space.metric} of every trial")
-        parent.log_metrics({"sweep/trials": float(len(table)), "sweep/expected_trials": float(expected),
-                            "sweep/finished": float(finished), "sweep/failed": float(len(failures)),
-                            "sweep/wall_s": wall})
-        if best_config:
-            # params cannot change, and a sweep is complete only once: tags hold the same best
-            parent.log_params({f"best.{k}": v for k, v in best_config.items()})
-            parent.set_tags({f"best.{k}": v for k, v in best_config.items()})
-            parent.log_metrics({f"best/{k}": v for k, v in best_metrics.items()})
-        parent.set_tags({"pfl.status": status.lower()})
-        if status == "INTERRUPTED":
-            _kill_unfinished_children(parent.run_id)
-        parent.end({"FINISHED": "FINISHED", "FAILED": "FAILED"}.get(status, "KILLED"))
+    reason = ""
+    if lost and not received:
+        reason, exit_code = f"the MLflow tracking store stopped answering ({tracking_uri()})", 1
+    state_path.write_text(json.dumps({**json.loads(state_path.read_text()), "store_lost": lost}))
+    try:
+        if parent.enabled and not lost:
+            _close_parent(parent, table, exp_path, space, name, expected, finished, failures, wall,
+                          best_config, best_metrics, status)
+    except TrackingStoreError as err:  # gone while the summary was written: resume writes it again
+        reason, exit_code, status = f"{err}", 1, "INTERRUPTED"
+        state_path.write_text(json.dumps({**json.loads(state_path.read_text()), "store_lost": True}))
     return SweepResult(table, best_config, best_metrics, parent.run_id, str(exp_path), wall, status=status,
-                       exit_code=exit_code, failures=failures, expected_trials=expected)
+                       exit_code=exit_code, failures=failures, expected_trials=expected, reason=reason)
+
+
+def _close_parent(parent: Tracker, table: pd.DataFrame, out: Path, space: SearchSpace, name: str, expected: int,
+                  finished: int, failures: dict[str, str], wall: float, best_config: dict[str, Any],
+                  best_metrics: dict[str, float], status: str) -> None:
+    """The sweep's summary on its MLflow parent run, and the run's end."""
+    if len(table):
+        _log_table(parent, table, out, space.metric, f"{name}: {space.metric} of every trial")
+    parent.log_metrics({"sweep/trials": float(len(table)), "sweep/expected_trials": float(expected),
+                        "sweep/finished": float(finished), "sweep/failed": float(len(failures)),
+                        "sweep/wall_s": wall})
+    if best_config:
+        # params cannot change, and a sweep is complete only once: tags hold the same best
+        parent.log_params({f"best.{k}": v for k, v in best_config.items()})
+        parent.set_tags({f"best.{k}": v for k, v in best_config.items()})
+        parent.log_metrics({f"best/{k}": v for k, v in best_metrics.items()})
+    parent.set_tags({"pfl.status": status.lower()})
+    if status == "INTERRUPTED":
+        _kill_unfinished_children(parent.run_id)
+    parent.end({"FINISHED": "FINISHED", "FAILED": "FAILED"}.get(status, "KILLED"))
 
 
 class _DropTuneNoise(logging.Filter):

@@ -1,0 +1,454 @@
+"""A team's setup on one machine: PostgreSQL, an MLflow server on it (login, proxied artifacts), a
+two-node Ray cluster, and sweeps against them (pfl/tracking_store.py).
+
+Every component is the real one, on loopback. Where this machine allows it (root with `ip netns`)
+all of them run in a private network namespace that has only the loopback interface (Ray otherwise
+advertises the machine's network address), and the checks read the server from inside it.
+PostgreSQL refuses to run as root: as root it runs as the `postgres` user (else `nobody`). The
+tests are skipped only where PostgreSQL's binaries are absent (Debian's `postgresql` package;
+`./setup.sh --test` installs it).
+"""
+
+import json
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from pfl.tracking_store import (AUTH_VARIABLES, location_warning, redact, run_url, store_kind, view_hint,
+                                worker_environment)
+
+ROOT = Path(__file__).resolve().parents[1]
+SPACES = ROOT / "search_spaces"
+PASSWORD = "pfl-" + uuid.uuid4().hex[:12]
+
+
+# ---- no server needed ---------------------------------------------------------------------------
+
+def test_store_kinds_and_where_each_sends_artifacts(monkeypatch, tmp_path):
+    from pfl.tracking import artifact_root, export_environment
+
+    assert [store_kind(u) for u in ("http://h:5000", "https://h", "sqlite:////x.db", "postgresql://u@h/d",
+                                    "postgresql+psycopg://u@h/d", "mysql+pymysql://u@h/d", "databricks")] == \
+        ["server", "server", "sqlite", "database", "database", "database", "other"]
+    # a server: no location of pfl's own, so the server stores the artifacts (and nothing is exported)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5099")
+    assert artifact_root() is None and "PFL_ARTIFACT_ROOT" not in export_environment()
+    monkeypatch.setenv("PFL_ARTIFACT_ROOT", "s3://bucket/pfl")   # explicit: kept for every kind
+    assert artifact_root() == "s3://bucket/pfl" == export_environment()["PFL_ARTIFACT_ROOT"]
+    monkeypatch.delenv("PFL_ARTIFACT_ROOT")
+    # a database store: mlartifacts beside an SQLite file named by the environment
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/store/m.db")
+    assert artifact_root() == (tmp_path / "store" / "mlartifacts").as_uri()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "postgresql+psycopg://pfl@db:5432/mlflow")
+    monkeypatch.chdir(tmp_path)
+    assert artifact_root() == (tmp_path / "mlartifacts").as_uri()
+
+
+def test_hints_and_urls_for_each_kind_of_store():
+    run, exp = "0123abcd", "7"
+    assert run_url(run, exp, "http://mlflow.lab:5000/") == \
+        "http://mlflow.lab:5000/#/experiments/7/runs/0123abcd?workflowType=machine_learning"
+    assert view_hint(run, exp, "https://mlflow.lab") == \
+        "MLflow run 0123abcd: https://mlflow.lab/#/experiments/7/runs/0123abcd?workflowType=machine_learning"
+    assert view_hint(run, None, "sqlite:////w/mlflow.db", "MLflow parent run") == (
+        "MLflow parent run 0123abcd; view: mlflow ui --backend-store-uri sqlite:////w/mlflow.db  "
+        "(then open http://127.0.0.1:5000/#/runs/0123abcd?workflowType=machine_learning)")
+    hint = view_hint(run, exp, "postgresql+psycopg://pfl:s3cret@db:5432/mlflow")
+    assert "s3cret" not in hint and "postgresql+psycopg://pfl:***@db:5432/mlflow" in hint
+    assert redact("http://h:5000") == "http://h:5000"
+    # an experiment whose artifacts bypass the server is named, with the fix; others are not
+    text = location_warning("pfl-sweeps", "3", "file:///home/me/mlartifacts/pfl-sweeps", "http://h:5000")
+    assert "'pfl-sweeps'" in text and "rename" in text and "\n" not in text
+    assert location_warning("pfl-sweeps", "3", "mlflow-artifacts:/3", "http://h:5000") is None
+    assert location_warning("pfl-sweeps", "3", "file:///x", "sqlite:////x.db") is None
+
+
+def test_trials_get_the_drivers_mlflow_client_settings():
+    env = {"MLFLOW_TRACKING_USERNAME": "u", "MLFLOW_TRACKING_PASSWORD": "p", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
+           "MLFLOW_TRACKING_URI": "http://elsewhere", "HOME": "/root"}
+    got = worker_environment({"MLFLOW_TRACKING_URI": "http://h:5000"}, env)
+    assert got == {"MLFLOW_TRACKING_USERNAME": "u", "MLFLOW_TRACKING_PASSWORD": "p",
+                   "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_TRACKING_URI": "http://h:5000"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _clean_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "MLFLOW_", "PFL_"))}
+    return {**env, "PYTHONUNBUFFERED": "1", **extra}
+
+
+def _sweep_args(space, storage, *extra):
+    return [sys.executable, str(ROOT / "pipelines" / "sweep.py"), "--space", str(space),
+            "--storage", str(storage), *extra]
+
+
+def test_unreachable_server_exits_2_within_seconds_before_ray(tmp_path):
+    uri = f"http://127.0.0.1:{_free_port()}"
+    started = time.time()
+    proc = subprocess.run(_sweep_args(SPACES / "fedavg.yaml", tmp_path / "ray_results", "--smoke"),
+                          env=_clean_env(MLFLOW_TRACKING_URI=uri, PFL_CACHE_DIR=str(tmp_path / "cache")),
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    took = time.time() - started
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert lines[-1] == f"config error: MLFLOW_TRACKING_URI: {uri}: no MLflow server answers (connection refused)"
+    assert "Ray:" not in proc.stdout and not (tmp_path / "ray_results").exists()
+    assert took < 30, took  # MLflow's own retries would take about a minute
+
+
+# ---- PostgreSQL + an MLflow server (one for the session) -----------------------------------------
+
+def _pg_bindir() -> Path | None:
+    initdb = shutil.which("initdb")
+    if initdb and shutil.which("pg_ctl"):
+        return Path(initdb).resolve().parent
+    found = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"),
+                   key=lambda p: int(p.parts[-3]) if p.parts[-3].isdigit() else 0)
+    return found[-1].parent if found else None
+
+
+def _netns_processes(ns: str) -> list[int]:
+    out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout
+    return [int(pid) for pid in out.split() if int(pid) != os.getpid()]
+
+
+def _kill_group(proc: subprocess.Popen | None, sig=signal.SIGTERM, wait: float = 20) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, sig)
+        proc.wait(timeout=wait)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=wait)
+
+
+class Team:
+    """PostgreSQL and an `mlflow server --app-name basic-auth` on it with proxied artifacts."""
+
+    def __init__(self, tmp: Path, prefix: list[str], ns: str | None):
+        self.tmp, self.prefix, self.ns = tmp, prefix, ns
+        self.pg_bin = _pg_bindir()
+        self.pg_user = [] if os.geteuid() != 0 else \
+            ["runuser", "-u", "postgres" if _has_user("postgres") else "nobody", "--"]
+        self.pg_port = 25432 if ns else _free_port()
+        self.port = 25099 if ns else _free_port()
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.artifacts = tmp / "server-artifacts"
+        self.pg = tmp / "pg"
+        self.server: subprocess.Popen | None = None
+
+    # PostgreSQL, in a folder its user owns (data, log, socket)
+    def _pg(self, *args, check=True):
+        done = subprocess.run(self.prefix + self.pg_user + [str(self.pg_bin / "pg_ctl"), "-D", str(self.pg / "data"),
+                                                            *args], capture_output=True, text=True, timeout=120)
+        log = self.pg / "log"
+        assert done.returncode == 0 or not check, done.stdout + done.stderr + (log.read_text() if log.exists() else "")
+
+    def init_db(self) -> None:
+        self.pg.mkdir()
+        if self.pg_user:
+            entry = pwd.getpwnam(self.pg_user[2])
+            os.chown(self.pg, entry.pw_uid, entry.pw_gid)
+        done = subprocess.run(self.pg_user + [str(self.pg_bin / "initdb"), "-D", str(self.pg / "data"), "-U", "pfl",
+                                              "--auth=trust", "-E", "UTF8", "--no-instructions"],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
+        self.start_db()
+
+    def start_db(self) -> None:
+        self._pg("-l", str(self.pg / "log"), "-w", "-o", f"-h 127.0.0.1 -p {self.pg_port} -k {self.pg}", "start")
+
+    def stop_db(self, check=True) -> None:
+        self._pg("-m", "fast", "-w", "stop", check=check)
+
+    @property
+    def backend(self) -> str:
+        return f"postgresql+psycopg://pfl@127.0.0.1:{self.pg_port}/postgres"
+
+    # the MLflow server
+    def start_server(self) -> None:
+        auth = self.tmp / "auth.ini"
+        auth.write_text(f"[mlflow]\ndefault_permission = NO_PERMISSIONS\ndatabase_uri = sqlite:///{self.tmp}/auth.db\n"
+                        f"admin_username = admin\nadmin_password = {PASSWORD}\n"
+                        "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+                        "grant_default_workspace_access = false\nauth_cache_ttl_seconds = 600\n")
+        env = _clean_env(MLFLOW_AUTH_CONFIG_PATH=str(auth), MLFLOW_FLASK_SERVER_SECRET_KEY=uuid.uuid4().hex,
+                         MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")  # no GenAI job workers (2 GB)
+        log = open(self.tmp / "server.log", "a")
+        self.server = subprocess.Popen(
+            self.prefix + [sys.executable, "-m", "mlflow", "server", "--app-name", "basic-auth",
+                           "--backend-store-uri", self.backend, "--artifacts-destination", str(self.artifacts),
+                           "--serve-artifacts", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1"],
+            env=env, cwd=self.tmp, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        # up, and past its first use of the database (the server opens its store then)
+        code = ("import time, urllib.request\nfor _ in range(360):\n    try:\n"
+                f"        urllib.request.urlopen('{self.uri}/health', timeout=2).close(); break\n"
+                "    except Exception: time.sleep(0.5)\nelse: raise SystemExit(1)\n"
+                "from mlflow.tracking import MlflowClient\nMlflowClient().search_experiments(max_results=1)")
+        up = subprocess.run(self.prefix + [sys.executable, "-c", code], capture_output=True, timeout=240,
+                            env=self.env())
+        assert up.returncode == 0, (self.tmp / "server.log").read_text()[-3000:]
+
+    def kill_server(self) -> None:
+        _kill_group(self.server, signal.SIGKILL)
+
+    # drivers and checks, inside the namespace
+    def env(self, **extra) -> dict:
+        return _clean_env(MLFLOW_TRACKING_URI=self.uri, MLFLOW_TRACKING_USERNAME="admin",
+                          MLFLOW_TRACKING_PASSWORD=PASSWORD, **extra)
+
+    def python(self, code: str, env: dict, timeout=120) -> subprocess.CompletedProcess:
+        return subprocess.run(self.prefix + [sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                              timeout=timeout)
+
+    def run(self, args, env, cwd, timeout=300) -> subprocess.CompletedProcess:
+        return subprocess.run(self.prefix + args, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def _has_user(name: str) -> bool:
+    try:
+        pwd.getpwnam(name)
+        return True
+    except KeyError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def team():
+    if _pg_bindir() is None:
+        pytest.skip("PostgreSQL's initdb and pg_ctl were not found (Debian's postgresql package; "
+                    "./setup.sh --test installs it)")
+    tmp = Path(tempfile.mkdtemp(prefix="pfl-team-"))
+    tmp.chmod(0o755)  # PostgreSQL's user must reach its data folder
+    ns = None
+    prefix: list[str] = []
+    if os.geteuid() == 0 and shutil.which("ip"):
+        name = f"pflteam{os.getpid()}"
+        if subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode == 0:
+            ns, prefix = name, ["ip", "netns", "exec", name]
+            subprocess.run(prefix + ["ip", "link", "set", "lo", "up"], check=True)
+    setup = Team(tmp, prefix, ns)
+    try:
+        setup.init_db()
+        setup.start_server()
+        yield setup
+    finally:
+        setup.kill_server()
+        setup.stop_db(check=False)
+        if ns:
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                for pid in _netns_processes(ns):
+                    try:
+                        os.kill(pid, sig)
+                    except ProcessLookupError:
+                        pass
+                time.sleep(1)
+            subprocess.run(["ip", "netns", "delete", ns], capture_output=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _config_error(proc) -> str:
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and lines, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return lines[-1]
+
+
+@pytest.mark.slow
+def test_login_refused_or_database_down_exits_2_with_one_line(team, tmp_path):
+    args = _sweep_args(SPACES / "fedavg.yaml", tmp_path / "ray_results", "--smoke")
+    env = team.env(PFL_CACHE_DIR=str(tmp_path / "cache"))
+    no_login = {k: v for k, v in env.items() if k not in AUTH_VARIABLES}
+    line = _config_error(team.run(args, no_login, tmp_path))
+    assert line.startswith(f"config error: MLFLOW_TRACKING_URI: {team.uri}: the MLflow server requires a login "
+                           "(HTTP 401)"), line
+    assert all(v in line for v in AUTH_VARIABLES)
+    line = _config_error(team.run(args, {**env, "MLFLOW_TRACKING_PASSWORD": "wrong"}, tmp_path))
+    assert "refused the credentials from MLFLOW_TRACKING_USERNAME, MLFLOW_TRACKING_PASSWORD (HTTP 401)" in line
+    team.stop_db()
+    try:
+        started = time.time()
+        proc = team.run(args, env, tmp_path)
+        took = time.time() - started
+    finally:
+        team.start_db()
+    line = _config_error(proc)
+    assert line.startswith(f"config error: MLFLOW_TRACKING_URI: {team.uri}: the MLflow server answers but cannot "
+                           "use its database (HTTP 503"), line
+    assert "Ray:" not in proc.stdout and not (tmp_path / "ray_results").exists() and took < 30, took
+
+
+@pytest.mark.slow
+def test_an_experiment_with_local_artifacts_on_a_server_is_named_once(team, tmp_path):
+    code = (f"from mlflow.tracking import MlflowClient\n"
+            f"MlflowClient().create_experiment('old-local', artifact_location='{(tmp_path / 'old').as_uri()}')\n"
+            "from pfl.tracking import experiment_id\n"
+            "first = experiment_id('old-local'); second = experiment_id('old-local')\n"
+            "fresh = experiment_id('fresh')\n"
+            "print(first == second, MlflowClient().get_experiment(fresh).artifact_location)")
+    proc = team.python(code, team.env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    same, location = proc.stdout.split()
+    assert same == "True" and location.startswith("mlflow-artifacts:/"), proc.stdout  # the server's own store
+    warnings = [ln for ln in proc.stderr.splitlines() if "old-local" in ln]
+    assert len(warnings) == 1 and "rename" in warnings[0] and (tmp_path / "old").as_uri() in warnings[0], \
+        proc.stderr[-3000:]
+
+
+# ---- a sweep on a two-node Ray cluster, through the server --------------------------------------
+
+@pytest.fixture
+def two_nodes(team):
+    """A Ray head and a second node (`ray start --address`), one CPU each, with a private token."""
+    from test_tune import _stop_cluster  # ends only the processes of this cluster's temp dir
+
+    temp = Path(tempfile.mkdtemp(prefix="pflr", dir="/tmp"))  # short: Ray's socket paths live below it
+    token = temp / "auth_token"
+    token.write_text(uuid.uuid4().hex)
+    env = _clean_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token))
+    port = 26379 if team.ns else _free_port()
+    ray = shutil.which("ray") or str(Path(sys.executable).parent / "ray")
+    common = ["--num-cpus=1", f"--temp-dir={temp}", "--disable-usage-stats"]
+    try:
+        for args in ([ray, "start", "--head", f"--port={port}", "--include-dashboard=false", *common],
+                     [ray, "start", f"--address=127.0.0.1:{port}", *common]):
+            started = subprocess.run(team.prefix + args, env=env, capture_output=True, text=True, timeout=180)
+            assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
+        wait = (f"import ray, time\nray.init(address='127.0.0.1:{port}', log_to_driver=False)\n"
+                "for _ in range(120):\n    if sum(n['Alive'] for n in ray.nodes()) == 2: break\n    time.sleep(0.5)\n"
+                "else: raise SystemExit('the second node did not join')")
+        joined = team.python(wait, env)
+        assert joined.returncode == 0, joined.stderr[-2000:]
+        yield f"127.0.0.1:{port}", {k: v for k, v in env.items() if k.startswith("RAY_AUTH")}
+    finally:
+        _stop_cluster(str(temp), None)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+DUMP = """
+import json, tempfile, yaml
+from mlflow.tracking import MlflowClient
+mc = MlflowClient()
+def files(run, path=None):
+    found = []
+    for a in mc.list_artifacts(run, path):
+        found += files(run, a.path) if a.is_dir else [a.path]
+    return found
+runs = []
+for e in mc.search_experiments():
+    for r in mc.search_runs([e.experiment_id]):
+        rid = r.info.run_id
+        names = files(rid)
+        config = None
+        if "config.yaml" in names:
+            with tempfile.TemporaryDirectory() as d:
+                config = yaml.safe_load(open(mc.download_artifacts(rid, "config.yaml", d)))
+        runs.append({"id": rid, "experiment": e.name, "experiment_id": e.experiment_id,
+                     "location": e.artifact_location, "name": r.info.run_name, "status": r.info.status,
+                     "parent": r.data.tags.get("mlflow.parentRunId"), "artifact_uri": r.info.artifact_uri,
+                     "params": r.data.params, "metrics": r.data.metrics,
+                     "steps": [m.step for m in mc.get_metric_history(rid, "comm/total_bytes")],
+                     "artifacts": names, "config": config})
+print(json.dumps(runs))
+"""
+
+CHILD_ARTIFACTS = {"config.yaml", "client_metrics.csv", "plots/accuracy_vs_round.png", "plots/accuracy_vs_bytes.png",
+                   "model/model_state.pt"}
+PARENT_ARTIFACTS = {"trials.csv", "trials.html", "trials.parquet", "plots/trials_val_acc_mean.png"}
+
+
+@pytest.mark.slow
+def test_sweep_on_two_nodes_tracks_through_the_server_and_survives_its_restart(team, two_nodes, tmp_path):
+    import yaml
+
+    address, ray_auth = two_nodes
+    rates, rounds = (0.03, 0.1, 0.3), 16
+    space = tmp_path / "space.yaml"
+    space.write_text(yaml.safe_dump({
+        "base": {"data.source": "digits", "data.num_clients": 6, "federation.rounds": rounds,
+                 "federation.clients_per_round": 3, "federation.eval_every": 2, "federation.local_epochs": 1},
+        "fixed": {"method.name": "fedavg"},
+        "search": {"federation.lr": {"type": "grid", "values": list(rates)}},
+        "searcher": "grid", "num_samples": 1, "max_concurrent": 2, "checkpoint_every": 4,
+        "resources": {"cpu": 1},
+    }))
+    work = tmp_path / "work"  # the driver's working directory: no artifact may land here
+    work.mkdir()
+    # MLflow's client retries a refused connection for about a minute by default; the trials get
+    # these settings from the driver's environment, as they get its login
+    env = {**team.env(PFL_CACHE_DIR=str(tmp_path / "cache"), RAY_ADDRESS=address,
+                      MLFLOW_HTTP_REQUEST_MAX_RETRIES="1", MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR="1"), **ray_auth}
+    args = _sweep_args(space, tmp_path / "ray_results", "--name", "team")
+    proc = subprocess.Popen(team.prefix + args, env=env, cwd=work, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    killed_at = None
+    for line in proc.stdout:  # kill the server once a trial finished and the last one started
+        lines.append(line)
+        finished = sum(": finished" in ln for ln in lines)
+        started = sum(ln.rstrip().endswith(": started") for ln in lines)
+        if killed_at is None and finished >= 1 and started == len(rates):
+            team.kill_server()
+            killed_at = len(lines)
+    proc.wait(timeout=300)
+    out = "".join(lines)
+    print(out)
+    assert killed_at is not None, out[-4000:]
+    # two trials ran at once on one CPU per node: both nodes took trials
+    starts = [i for i, ln in enumerate(lines) if ln.rstrip().endswith(": started")]
+    assert starts[1] < min(i for i, ln in enumerate(lines) if ": finished" in ln), out
+    assert proc.returncode == 1, out[-4000:]
+    failed = [ln for ln in lines if ln.startswith("failed: ")]
+    assert failed and all(f"TrackingStoreError: MLFLOW_TRACKING_URI: {team.uri}: the MLflow server stopped "
+                          "answering (connection refused)" in ln for ln in failed), failed
+    assert "stopped: the MLflow tracking store stopped answering" in out and "--resume" in out
+    assert "== best ==" not in out
+
+    team.start_server()
+    resumed = team.run(args + ["--resume"], env, work, timeout=600)
+    print(resumed.stdout)
+    assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-3000:]
+    assert f"{team.uri}/#/experiments/" in resumed.stdout  # the closing hint is the server's page
+
+    listing = team.python(DUMP, team.env())
+    assert listing.returncode == 0, listing.stderr[-3000:]
+    runs = json.loads(listing.stdout)
+    for run in runs:
+        print(run["experiment"], run["name"], run["status"], run["id"], run["artifact_uri"],
+              f"{len(run['steps'])} steps", ", ".join(sorted(run["artifacts"])))
+    parents = [r for r in runs if r["parent"] is None]
+    children = [r for r in runs if r["parent"] is not None]
+    assert len(parents) == 1 and parents[0]["status"] == "FINISHED", runs
+    parent = parents[0]
+    assert parent["location"].startswith("mlflow-artifacts:/") and parent["artifact_uri"].startswith("mlflow-artifacts:")
+    assert PARENT_ARTIFACTS <= set(parent["artifacts"]) and "best.federation.lr" in parent["params"]
+    # no lost or duplicated runs: one per grid point, each round logged once
+    assert sorted(c["name"] for c in children) == sorted(f"fedavg lr={v:g}" for v in rates), children
+    for child in children:
+        assert child["status"] == "FINISHED" and child["parent"] == parent["id"]
+        assert child["steps"] == list(range(1, rounds + 1)), (child["name"], child["steps"])
+        assert CHILD_ARTIFACTS <= set(child["artifacts"]), child["artifacts"]
+        assert float(child["config"]["federation"]["lr"]) == float(child["params"]["federation.lr"]) \
+            == float(child["name"].split("=")[1])
+        # the files are on the server's side, where --artifacts-destination puts them
+        stored = team.artifacts / child["experiment_id"] / child["id"] / "artifacts"
+        assert {str(p.relative_to(stored)) for p in stored.rglob("*") if p.is_file()} >= CHILD_ARTIFACTS
+    assert not (work / "mlartifacts").exists() and not list(work.iterdir()), list(work.iterdir())
