@@ -24,7 +24,8 @@ from typing import Any, Mapping
 
 import yaml
 
-from .tracking_store import GuardedClient, location_warning, preflight, store_kind, store_lost, view_hint
+from .tracking_store import (GuardedClient, local_location, location_warning, preflight, store_kind, store_lost,
+                             view_hint)
 from .tracking_store import worker_environment as _worker_environment
 
 log = logging.getLogger(__name__)
@@ -141,6 +142,9 @@ def client():
     # creating a new SQLite store logs schema migrations at INFO: nothing a person acts on
     for name in ("mlflow.store.db.utils", "alembic.runtime.migration"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    # MLflow prints two GenAI-view links per run a process ends on a server; pfl prints its own
+    # line per pipeline (the model-training view)
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     uri = tracking_uri()
     if uri not in _READY_STORES:
         if uri.startswith("sqlite:///"):
@@ -254,6 +258,10 @@ def check_store(timeout: float = 5.0) -> str:
         preflight(uri, timeout)
         _READY_STORES.add(uri)
     root = artifact_root()
+    if store_kind(uri) == "server" and local_location(root):
+        log.warning(f"the artifact root {root} ($PFL_ARTIFACT_ROOT or mlflow.yaml artifact_root) puts new "
+                    "experiments' artifacts on the disk of each machine that writes them, not on the MLflow server; "
+                    "unset it to let the server store them")
     if root is not None and root.startswith("file://"):
         from urllib.parse import unquote, urlparse
 

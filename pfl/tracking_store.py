@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Callable
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from .schema import ConfigError
@@ -39,7 +39,11 @@ class TrackingStoreError(ConfigError):
     """The tracking store cannot be reached or refuses pfl (named by ``MLFLOW_TRACKING_URI``)."""
 
     def __init__(self, uri: str, problem: str):
+        self.uri, self.problem = uri, problem
         super().__init__(KEY, f"{redact(uri)}: {problem}")
+
+    def __reduce__(self):  # Ray sends a trial's exception to the driver pickled
+        return type(self), (self.uri, self.problem)
 
 
 def store_kind(uri: str) -> str:
@@ -267,11 +271,3 @@ def worker_environment(base: dict[str, str], environ: dict[str, str] | None = No
     environ = os.environ if environ is None else environ
     extra = {k: v for k, v in environ.items() if k.startswith("MLFLOW_") and k not in base}
     return {**extra, **base}
-
-
-def quietly(fn: Callable[[], Any], default: Any = None) -> Any:
-    """``fn()``, or ``default`` when the store is gone (for what only decorates an answer)."""
-    try:
-        return fn()
-    except TrackingStoreError:
-        return default

@@ -12,6 +12,7 @@ tests are skipped only where PostgreSQL's binaries are absent (Debian's `postgre
 import json
 import os
 import pwd
+import re
 import shutil
 import signal
 import socket
@@ -108,7 +109,7 @@ def test_unreachable_server_exits_2_within_seconds_before_ray(tmp_path):
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert lines[-1] == f"config error: MLFLOW_TRACKING_URI: {uri}: no MLflow server answers (connection refused)"
     assert "Ray:" not in proc.stdout and not (tmp_path / "ray_results").exists()
-    assert took < 30, took  # MLflow's own retries would take about a minute
+    assert took < 45, took  # importing torch, Ray and MLflow, then one refused connection (retries: a minute)
 
 
 # ---- PostgreSQL + an MLflow server (one for the session) -----------------------------------------
@@ -293,7 +294,7 @@ def test_login_refused_or_database_down_exits_2_with_one_line(team, tmp_path):
     line = _config_error(proc)
     assert line.startswith(f"config error: MLFLOW_TRACKING_URI: {team.uri}: the MLflow server answers but cannot "
                            "use its database (HTTP 503"), line
-    assert "Ray:" not in proc.stdout and not (tmp_path / "ray_results").exists() and took < 30, took
+    assert "Ray:" not in proc.stdout and not (tmp_path / "ray_results").exists() and took < 45, took
 
 
 @pytest.mark.slow
@@ -318,7 +319,7 @@ def test_an_experiment_with_local_artifacts_on_a_server_is_named_once(team, tmp_
 @pytest.fixture
 def two_nodes(team):
     """A Ray head and a second node (`ray start --address`), one CPU each, with a private token."""
-    from test_tune import _stop_cluster  # ends only the processes of this cluster's temp dir
+    from test_tune import _processes_of  # this cluster's processes only (never `ray stop`)
 
     temp = Path(tempfile.mkdtemp(prefix="pflr", dir="/tmp"))  # short: Ray's socket paths live below it
     token = temp / "auth_token"
@@ -338,8 +339,17 @@ def two_nodes(team):
         joined = team.python(wait, env)
         assert joined.returncode == 0, joined.stderr[-2000:]
         yield f"127.0.0.1:{port}", {k: v for k, v in env.items() if k.startswith("RAY_AUTH")}
-    finally:
-        _stop_cluster(str(temp), None)
+    finally:  # a test cluster holds nothing worth a graceful stop
+        for _ in range(20):
+            pids = _processes_of(str(temp), None)
+            if not pids:
+                break
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.5)
         shutil.rmtree(temp, ignore_errors=True)
 
 
@@ -369,6 +379,17 @@ for e in mc.search_experiments():
                      "artifacts": names, "config": config})
 print(json.dumps(runs))
 """
+
+def _listing(team) -> list[dict]:
+    """Every run with its metrics' steps and artifacts, read through the server's API."""
+    listing = team.python(DUMP, team.env())
+    assert listing.returncode == 0, listing.stderr[-3000:]
+    runs = json.loads(listing.stdout)
+    for run in runs:
+        print(f"  {run['experiment']:<10} {run['name']:<15} {run['status']:<8} {run['id']} {run['artifact_uri']} "
+              f"{len(run['steps'])} steps: {', '.join(sorted(run['artifacts']))}")
+    return runs
+
 
 CHILD_ARTIFACTS = {"config.yaml", "client_metrics.csv", "plots/accuracy_vs_round.png", "plots/accuracy_vs_bytes.png",
                    "model/model_state.pt"}
@@ -417,23 +438,26 @@ def test_sweep_on_two_nodes_tracks_through_the_server_and_survives_its_restart(t
     assert starts[1] < min(i for i, ln in enumerate(lines) if ": finished" in ln), out
     assert proc.returncode == 1, out[-4000:]
     failed = [ln for ln in lines if ln.startswith("failed: ")]
-    assert failed and all(f"TrackingStoreError: MLFLOW_TRACKING_URI: {team.uri}: the MLflow server stopped "
-                          "answering (connection refused)" in ln for ln in failed), failed
+    # a trial cut off while it logged, or one that started just then
+    reason = re.compile(f"TrackingStoreError: MLFLOW_TRACKING_URI: {re.escape(team.uri)}: (the MLflow server "
+                        r"stopped answering|no MLflow server answers) \(connection refused\)$")
+    assert failed and all(reason.search(ln.rstrip()) for ln in failed), failed
     assert "stopped: the MLflow tracking store stopped answering" in out and "--resume" in out
     assert "== best ==" not in out
 
     team.start_server()
+    before = _listing(team)
     resumed = team.run(args + ["--resume"], env, work, timeout=600)
     print(resumed.stdout)
     assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-3000:]
     assert f"{team.uri}/#/experiments/" in resumed.stdout  # the closing hint is the server's page
 
-    listing = team.python(DUMP, team.env())
-    assert listing.returncode == 0, listing.stderr[-3000:]
-    runs = json.loads(listing.stdout)
-    for run in runs:
-        print(run["experiment"], run["name"], run["status"], run["id"], run["artifact_uri"],
-              f"{len(run['steps'])} steps", ", ".join(sorted(run["artifacts"])))
+    runs = _listing(team)
+    counts = {when: {s: sum(r["status"] == s for r in rs if r["parent"]) for s in ("FINISHED", "RUNNING", "FAILED")}
+              for when, rs in (("before --resume", before), ("after", runs))}
+    print("child runs", counts)
+    # the runs that existed are the ones that finished: resumed, not duplicated
+    assert {r["id"] for r in before} <= {r["id"] for r in runs}
     parents = [r for r in runs if r["parent"] is None]
     children = [r for r in runs if r["parent"] is not None]
     assert len(parents) == 1 and parents[0]["status"] == "FINISHED", runs
