@@ -202,6 +202,18 @@ def test_checkpoint_refuses_another_config_but_accepts_a_longer_budget(tmp_path)
     assert err.value.field == "federation.lr, method.server_lr"
 
 
+def test_a_run_restored_after_its_last_round_keeps_its_client_table(tmp_path):
+    # a trial cut off while it uploaded its artifacts resumes from its final checkpoint and runs no
+    # round: its client_metrics.csv comes from the table the checkpoint kept
+    finished = Simulator(small_config(federation__rounds=2))
+    finished.run()
+    finished.save(tmp_path / "c.pt")
+    restored = Simulator(small_config(federation__rounds=2))
+    restored.load(tmp_path / "c.pt")
+    assert restored.round == 2 and finished.last_client_table
+    assert restored.last_client_table == finished.last_client_table
+
+
 def test_checkpoint_stores_each_client_state_once(tmp_path):
     sim = Simulator(small_config(method__name="ditto", federation__clients_per_round=0, federation__rounds=2))
     sim.run()

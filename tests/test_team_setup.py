@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -273,21 +274,36 @@ def _config_error(proc) -> str:
     return lines[-1]
 
 
+LOGIN_CHECKS = """
+import os
+from pfl.tracking import check_store
+from pfl.tracking_store import TrackingStoreError
+for user, password in ((None, None), ("admin", "wrong")):
+    for key, value in (("MLFLOW_TRACKING_USERNAME", user), ("MLFLOW_TRACKING_PASSWORD", password)):
+        os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
+    try:
+        check_store()
+        print("accepted")
+    except TrackingStoreError as err:
+        print(err)
+"""
+
+
 @pytest.mark.slow
 def test_login_refused_or_database_down_exits_2_with_one_line(team, tmp_path):
+    # the login: the check a pipeline runs before anything else (as below), without and with a wrong password
+    proc = team.python(LOGIN_CHECKS, team.env())
+    missing, wrong = proc.stdout.splitlines()
+    assert missing.startswith(f"MLFLOW_TRACKING_URI: {team.uri}: the MLflow server requires a login (HTTP 401); "), \
+        proc.stdout + proc.stderr[-2000:]
+    assert all(v in missing for v in AUTH_VARIABLES)
+    assert "refused the credentials from MLFLOW_TRACKING_USERNAME, MLFLOW_TRACKING_PASSWORD (HTTP 401)" in wrong
+    # the server up, its database down: the pipeline stops in seconds, before Ray
     args = _sweep_args(SPACES / "fedavg.yaml", tmp_path / "ray_results", "--smoke")
-    env = team.env(PFL_CACHE_DIR=str(tmp_path / "cache"))
-    no_login = {k: v for k, v in env.items() if k not in AUTH_VARIABLES}
-    line = _config_error(team.run(args, no_login, tmp_path))
-    assert line.startswith(f"config error: MLFLOW_TRACKING_URI: {team.uri}: the MLflow server requires a login "
-                           "(HTTP 401)"), line
-    assert all(v in line for v in AUTH_VARIABLES)
-    line = _config_error(team.run(args, {**env, "MLFLOW_TRACKING_PASSWORD": "wrong"}, tmp_path))
-    assert "refused the credentials from MLFLOW_TRACKING_USERNAME, MLFLOW_TRACKING_PASSWORD (HTTP 401)" in line
     team.stop_db()
     try:
         started = time.time()
-        proc = team.run(args, env, tmp_path)
+        proc = team.run(args, team.env(PFL_CACHE_DIR=str(tmp_path / "cache")), tmp_path)
         took = time.time() - started
     finally:
         team.start_db()
@@ -321,7 +337,7 @@ def two_nodes(team):
     """A Ray head and a second node (`ray start --address`), one CPU each, with a private token."""
     from test_tune import _processes_of  # this cluster's processes only (never `ray stop`)
 
-    temp = Path(tempfile.mkdtemp(prefix="pflr", dir="/tmp"))  # short: Ray's socket paths live below it
+    temp = Path(tempfile.mkdtemp(prefix="pflteam", dir="/tmp"))  # short: Ray's socket paths live below it
     token = temp / "auth_token"
     token.write_text(uuid.uuid4().hex)
     env = _clean_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token))
@@ -401,7 +417,7 @@ def test_sweep_on_two_nodes_tracks_through_the_server_and_survives_its_restart(t
     import yaml
 
     address, ray_auth = two_nodes
-    rates, rounds = (0.03, 0.1, 0.3), 16
+    rates, rounds = (0.03, 0.1, 0.3), 24
     space = tmp_path / "space.yaml"
     space.write_text(yaml.safe_dump({
         "base": {"data.source": "digits", "data.num_clients": 6, "federation.rounds": rounds,
@@ -421,18 +437,23 @@ def test_sweep_on_two_nodes_tracks_through_the_server_and_survives_its_restart(t
     proc = subprocess.Popen(team.prefix + args, env=env, cwd=work, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
-    killed_at = None
-    for line in proc.stdout:  # kill the server once a trial finished and the last one started
-        lines.append(line)
-        finished = sum(": finished" in ln for ln in lines)
-        started = sum(ln.rstrip().endswith(": started") for ln in lines)
-        if killed_at is None and finished >= 1 and started == len(rates):
+    reader = threading.Thread(target=lambda: [lines.append(ln) for ln in proc.stdout], daemon=True)
+    reader.start()
+    # kill the server once a trial finished and one that has not holds a checkpoint (it is cut off
+    # mid-run, after rounds it logged past its checkpoint)
+    experiment, killed = tmp_path / "ray_results" / "team", False
+    deadline = time.time() + 400
+    while proc.poll() is None and not killed and time.time() < deadline:
+        finished = sum(": finished" in ln for ln in list(lines))
+        if finished and len({p.parent for p in experiment.glob("*/checkpoint_*")}) > finished:
             team.kill_server()
-            killed_at = len(lines)
+            killed = True
+        time.sleep(0.2)
     proc.wait(timeout=300)
+    reader.join(timeout=30)
     out = "".join(lines)
     print(out)
-    assert killed_at is not None, out[-4000:]
+    assert killed, out[-4000:]
     # two trials ran at once on one CPU per node: both nodes took trials
     starts = [i for i, ln in enumerate(lines) if ln.rstrip().endswith(": started")]
     assert starts[1] < min(i for i, ln in enumerate(lines) if ": finished" in ln), out
@@ -456,8 +477,10 @@ def test_sweep_on_two_nodes_tracks_through_the_server_and_survives_its_restart(t
     counts = {when: {s: sum(r["status"] == s for r in rs if r["parent"]) for s in ("FINISHED", "RUNNING", "FAILED")}
               for when, rs in (("before --resume", before), ("after", runs))}
     print("child runs", counts)
-    # the runs that existed are the ones that finished: resumed, not duplicated
-    assert {r["id"] for r in before} <= {r["id"] for r in runs}
+    # the run cut off mid-sweep held rounds beyond its checkpoint; it is the one that finished
+    cut = [r for r in before if r["parent"] and r["status"] == "RUNNING"]
+    assert cut and all(len(r["steps"]) >= 4 for r in cut), before
+    assert {r["id"] for r in before} <= {r["id"] for r in runs}  # resumed, not duplicated
     parents = [r for r in runs if r["parent"] is None]
     children = [r for r in runs if r["parent"] is not None]
     assert len(parents) == 1 and parents[0]["status"] == "FINISHED", runs

@@ -476,8 +476,10 @@ class Simulator:
             "format": CHECKPOINT_FORMAT,
             "config": self.start_config,
             "model": self.model_state(),
+            # the last evaluation's per-client rows: a run restored after its last round (cut off
+            # while it wrote its artifacts) still has its client table
             "run": {"executed": self.executed, "elapsed": self.elapsed, "history": self.history,
-                    "ledger": self.ledger.state_dict()},
+                    "ledger": self.ledger.state_dict(), "client_table": self.last_client_table},
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -497,6 +499,7 @@ class Simulator:
         self.elapsed = float(run["elapsed"])
         self.history = list(run["history"])
         self.ledger.load_state_dict(run["ledger"])
+        self.last_client_table = run.get("client_table")  # absent in checkpoints of earlier versions
 
     def save(self, path: str | Path, extra: dict | None = None) -> Path:
         """Write the state (and ``extra``, e.g. callbacks' state) atomically to ``path``."""
