@@ -9,6 +9,7 @@ tests are skipped only where PostgreSQL's binaries are absent (Debian's `postgre
 `./setup.sh --test` installs it).
 """
 
+import glob
 import json
 import os
 import pwd
@@ -439,13 +440,15 @@ def test_sweep_on_two_nodes_tracks_through_the_server_and_survives_its_restart(t
     lines: list[str] = []
     reader = threading.Thread(target=lambda: [lines.append(ln) for ln in proc.stdout], daemon=True)
     reader.start()
-    # kill the server once a trial finished and one that has not holds a checkpoint (it is cut off
-    # mid-run, after rounds it logged past its checkpoint)
+    # kill the server once the last trial (started when an earlier one ended) holds a checkpoint and
+    # has not finished: it is cut off mid-run, after rounds it logged past its checkpoint
     experiment, killed = tmp_path / "ray_results" / "team", False
     deadline = time.time() + 400
     while proc.poll() is None and not killed and time.time() < deadline:
-        finished = sum(": finished" in ln for ln in list(lines))
-        if finished and len({p.parent for p in experiment.glob("*/checkpoint_*")}) > finished:
+        seen = list(lines)
+        started = [ln.split("] ", 1)[1].rsplit(": started", 1)[0] for ln in seen if ln.rstrip().endswith(": started")]
+        if len(started) == len(rates) and not any(f"{started[-1]}: finished" in ln for ln in seen) \
+                and list(experiment.glob(f"{glob.escape(started[-1])}_*/checkpoint_*")):
             team.kill_server()
             killed = True
         time.sleep(0.2)
@@ -479,7 +482,7 @@ def test_sweep_on_two_nodes_tracks_through_the_server_and_survives_its_restart(t
     print("child runs", counts)
     # the run cut off mid-sweep held rounds beyond its checkpoint; it is the one that finished
     cut = [r for r in before if r["parent"] and r["status"] == "RUNNING"]
-    assert cut and all(len(r["steps"]) >= 4 for r in cut), before
+    assert any(4 <= len(r["steps"]) < rounds for r in cut), before
     assert {r["id"] for r in before} <= {r["id"] for r in runs}  # resumed, not duplicated
     parents = [r for r in runs if r["parent"] is None]
     children = [r for r in runs if r["parent"] is not None]
