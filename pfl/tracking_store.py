@@ -112,14 +112,18 @@ def _cause(text: str) -> str:
     low = text.lower()
     code = re.search(r"too many (\d{3}) error responses|error code (\d{3})|\bHTTP (\d{3})", text)
     status = next((g for g in code.groups() if g), None) if code else None
+    if status:
+        return f"HTTP {status}"
     if "connection refused" in low:
         return "connection refused"
+    if any(w in low for w in ("connection reset", "connection aborted", "remote end closed", "broken pipe")):
+        return "connection lost"  # the server went away while it handled the request
     if "timed out" in low or "timeout" in low:
         return "no answer (timed out)"
     if "name or service not known" in low or "nodename nor servname" in low or "failed to resolve" in low:
         return "unknown host"
-    if status:
-        return f"HTTP {status}"
+    if "max retries exceeded" in low:
+        return "no answer"
     return text.strip().splitlines()[0][:200] if text.strip() else "unknown error"
 
 

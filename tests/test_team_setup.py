@@ -10,13 +10,10 @@ tests are skipped only where PostgreSQL's binaries are absent (Debian's `postgre
 """
 
 import glob
-import json
 import os
-import pwd
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,12 +24,12 @@ from pathlib import Path
 
 import pytest
 
+from services import Team, clean_env, free_port, listing, netns_processes, pg_bindir
 from pfl.tracking_store import (AUTH_VARIABLES, location_warning, redact, run_url, store_kind, view_hint,
                                 worker_environment)
 
 ROOT = Path(__file__).resolve().parents[1]
 SPACES = ROOT / "search_spaces"
-PASSWORD = "pfl-" + uuid.uuid4().hex[:12]
 
 
 # ---- no server needed ---------------------------------------------------------------------------
@@ -76,6 +73,31 @@ def test_hints_and_urls_for_each_kind_of_store():
     assert location_warning("pfl-sweeps", "3", "file:///x", "sqlite:////x.db") is None
 
 
+@pytest.mark.parametrize("text, problem", [
+    # MLflow's messages once its retries are spent (seen against a killed server, a server without
+    # its database, a server with logins)
+    ("API request to http://h:5099/api/2.0/mlflow/runs/log-batch failed with exception HTTPConnectionPool("
+     "host='h', port=5099): Max retries exceeded with url: /api/2.0/mlflow/runs/log-batch (Caused by "
+     "NewConnectionError(\"HTTPConnection(host='h', port=5099): Failed to establish a new connection: [Errno 111] "
+     "Connection refused\"))", "the MLflow server stopped answering (connection refused)"),
+    ("API request to http://h:5099/api/2.0/mlflow/runs/log-batch failed with exception HTTPConnectionPool("
+     "host='h', port=5099): Max retries exceeded with url: /x (Caused by ProtocolError('Connection aborted.', "
+     "RemoteDisconnected('Remote end closed connection without response')))",
+     "the MLflow server stopped answering (connection lost)"),
+    ("API request to http://h:5099/api/2.0/mlflow/runs/get failed with exception HTTPConnectionPool(host='h', "
+     "port=5099): Max retries exceeded with url: /x (Caused by ResponseError('too many 503 error responses'))",
+     "the MLflow server failed (HTTP 503; its database may be down)"),
+])
+def test_a_store_that_goes_away_is_one_line_naming_the_variable(text, problem):
+    from mlflow.exceptions import MlflowException
+
+    from pfl.tracking_store import store_error
+
+    err = store_error("http://h:5099", MlflowException(text))
+    assert str(err) == f"MLFLOW_TRACKING_URI: http://h:5099: {problem}"
+    assert store_error("http://h:5099", ValueError("a bug")) is None  # not every error is the store's
+
+
 def test_trials_get_the_drivers_mlflow_client_settings():
     env = {"MLFLOW_TRACKING_USERNAME": "u", "MLFLOW_TRACKING_PASSWORD": "p", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
            "MLFLOW_TRACKING_URI": "http://elsewhere", "HOME": "/root"}
@@ -84,27 +106,16 @@ def test_trials_get_the_drivers_mlflow_client_settings():
                    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_TRACKING_URI": "http://h:5000"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _clean_env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "MLFLOW_", "PFL_"))}
-    return {**env, "PYTHONUNBUFFERED": "1", **extra}
-
-
 def _sweep_args(space, storage, *extra):
     return [sys.executable, str(ROOT / "pipelines" / "sweep.py"), "--space", str(space),
             "--storage", str(storage), *extra]
 
 
 def test_unreachable_server_exits_2_within_seconds_before_ray(tmp_path):
-    uri = f"http://127.0.0.1:{_free_port()}"
+    uri = f"http://127.0.0.1:{free_port()}"
     started = time.time()
     proc = subprocess.run(_sweep_args(SPACES / "fedavg.yaml", tmp_path / "ray_results", "--smoke"),
-                          env=_clean_env(MLFLOW_TRACKING_URI=uri, PFL_CACHE_DIR=str(tmp_path / "cache")),
+                          env=clean_env(MLFLOW_TRACKING_URI=uri, PFL_CACHE_DIR=str(tmp_path / "cache")),
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
     took = time.time() - started
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -116,128 +127,9 @@ def test_unreachable_server_exits_2_within_seconds_before_ray(tmp_path):
 
 # ---- PostgreSQL + an MLflow server (one for the session) -----------------------------------------
 
-def _pg_bindir() -> Path | None:
-    initdb = shutil.which("initdb")
-    if initdb and shutil.which("pg_ctl"):
-        return Path(initdb).resolve().parent
-    found = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"),
-                   key=lambda p: int(p.parts[-3]) if p.parts[-3].isdigit() else 0)
-    return found[-1].parent if found else None
-
-
-def _netns_processes(ns: str) -> list[int]:
-    out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout
-    return [int(pid) for pid in out.split() if int(pid) != os.getpid()]
-
-
-def _kill_group(proc: subprocess.Popen | None, sig=signal.SIGTERM, wait: float = 20) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, sig)
-        proc.wait(timeout=wait)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(timeout=wait)
-
-
-class Team:
-    """PostgreSQL and an `mlflow server --app-name basic-auth` on it with proxied artifacts."""
-
-    def __init__(self, tmp: Path, prefix: list[str], ns: str | None):
-        self.tmp, self.prefix, self.ns = tmp, prefix, ns
-        self.pg_bin = _pg_bindir()
-        self.pg_user = [] if os.geteuid() != 0 else \
-            ["runuser", "-u", "postgres" if _has_user("postgres") else "nobody", "--"]
-        self.pg_port = 25432 if ns else _free_port()
-        self.port = 25099 if ns else _free_port()
-        self.uri = f"http://127.0.0.1:{self.port}"
-        self.artifacts = tmp / "server-artifacts"
-        self.pg = tmp / "pg"
-        self.server: subprocess.Popen | None = None
-
-    # PostgreSQL, in a folder its user owns (data, log, socket)
-    def _pg(self, *args, check=True):
-        done = subprocess.run(self.prefix + self.pg_user + [str(self.pg_bin / "pg_ctl"), "-D", str(self.pg / "data"),
-                                                            *args], capture_output=True, text=True, timeout=120)
-        log = self.pg / "log"
-        assert done.returncode == 0 or not check, done.stdout + done.stderr + (log.read_text() if log.exists() else "")
-
-    def init_db(self) -> None:
-        self.pg.mkdir()
-        if self.pg_user:
-            entry = pwd.getpwnam(self.pg_user[2])
-            os.chown(self.pg, entry.pw_uid, entry.pw_gid)
-        done = subprocess.run(self.pg_user + [str(self.pg_bin / "initdb"), "-D", str(self.pg / "data"), "-U", "pfl",
-                                              "--auth=trust", "-E", "UTF8", "--no-instructions"],
-                              capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stdout + done.stderr
-        self.start_db()
-
-    def start_db(self) -> None:
-        self._pg("-l", str(self.pg / "log"), "-w", "-o", f"-h 127.0.0.1 -p {self.pg_port} -k {self.pg}", "start")
-
-    def stop_db(self, check=True) -> None:
-        self._pg("-m", "fast", "-w", "stop", check=check)
-
-    @property
-    def backend(self) -> str:
-        return f"postgresql+psycopg://pfl@127.0.0.1:{self.pg_port}/postgres"
-
-    # the MLflow server
-    def start_server(self) -> None:
-        auth = self.tmp / "auth.ini"
-        auth.write_text(f"[mlflow]\ndefault_permission = NO_PERMISSIONS\ndatabase_uri = sqlite:///{self.tmp}/auth.db\n"
-                        f"admin_username = admin\nadmin_password = {PASSWORD}\n"
-                        "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
-                        "grant_default_workspace_access = false\nauth_cache_ttl_seconds = 600\n")
-        env = _clean_env(MLFLOW_AUTH_CONFIG_PATH=str(auth), MLFLOW_FLASK_SERVER_SECRET_KEY=uuid.uuid4().hex,
-                         MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")  # no GenAI job workers (2 GB)
-        log = open(self.tmp / "server.log", "a")
-        self.server = subprocess.Popen(
-            self.prefix + [sys.executable, "-m", "mlflow", "server", "--app-name", "basic-auth",
-                           "--backend-store-uri", self.backend, "--artifacts-destination", str(self.artifacts),
-                           "--serve-artifacts", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1"],
-            env=env, cwd=self.tmp, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        # up, and past its first use of the database (the server opens its store then)
-        code = ("import time, urllib.request\nfor _ in range(360):\n    try:\n"
-                f"        urllib.request.urlopen('{self.uri}/health', timeout=2).close(); break\n"
-                "    except Exception: time.sleep(0.5)\nelse: raise SystemExit(1)\n"
-                "from mlflow.tracking import MlflowClient\nMlflowClient().search_experiments(max_results=1)")
-        up = subprocess.run(self.prefix + [sys.executable, "-c", code], capture_output=True, timeout=240,
-                            env=self.env())
-        assert up.returncode == 0, (self.tmp / "server.log").read_text()[-3000:]
-
-    def kill_server(self) -> None:
-        _kill_group(self.server, signal.SIGKILL)
-
-    # drivers and checks, inside the namespace
-    def env(self, **extra) -> dict:
-        return _clean_env(MLFLOW_TRACKING_URI=self.uri, MLFLOW_TRACKING_USERNAME="admin",
-                          MLFLOW_TRACKING_PASSWORD=PASSWORD, **extra)
-
-    def python(self, code: str, env: dict, timeout=120) -> subprocess.CompletedProcess:
-        return subprocess.run(self.prefix + [sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                              timeout=timeout)
-
-    def run(self, args, env, cwd, timeout=300) -> subprocess.CompletedProcess:
-        return subprocess.run(self.prefix + args, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
-
-
-def _has_user(name: str) -> bool:
-    try:
-        pwd.getpwnam(name)
-        return True
-    except KeyError:
-        return False
-
-
 @pytest.fixture(scope="session")
 def team():
-    if _pg_bindir() is None:
+    if pg_bindir() is None:
         pytest.skip("PostgreSQL's initdb and pg_ctl were not found (Debian's postgresql package; "
                     "./setup.sh --test installs it)")
     tmp = Path(tempfile.mkdtemp(prefix="pfl-team-"))
@@ -259,7 +151,7 @@ def team():
         setup.stop_db(check=False)
         if ns:
             for sig in (signal.SIGTERM, signal.SIGKILL):
-                for pid in _netns_processes(ns):
+                for pid in netns_processes(ns):
                     try:
                         os.kill(pid, sig)
                     except ProcessLookupError:
@@ -341,8 +233,8 @@ def two_nodes(team):
     temp = Path(tempfile.mkdtemp(prefix="pflteam", dir="/tmp"))  # short: Ray's socket paths live below it
     token = temp / "auth_token"
     token.write_text(uuid.uuid4().hex)
-    env = _clean_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token))
-    port = 26379 if team.ns else _free_port()
+    env = clean_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token))
+    port = 26379 if team.ns else free_port()
     ray = shutil.which("ray") or str(Path(sys.executable).parent / "ray")
     common = ["--num-cpus=1", f"--temp-dir={temp}", "--disable-usage-stats"]
     try:
@@ -368,44 +260,6 @@ def two_nodes(team):
                     pass
             time.sleep(0.5)
         shutil.rmtree(temp, ignore_errors=True)
-
-
-DUMP = """
-import json, tempfile, yaml
-from mlflow.tracking import MlflowClient
-mc = MlflowClient()
-def files(run, path=None):
-    found = []
-    for a in mc.list_artifacts(run, path):
-        found += files(run, a.path) if a.is_dir else [a.path]
-    return found
-runs = []
-for e in mc.search_experiments():
-    for r in mc.search_runs([e.experiment_id]):
-        rid = r.info.run_id
-        names = files(rid)
-        config = None
-        if "config.yaml" in names:
-            with tempfile.TemporaryDirectory() as d:
-                config = yaml.safe_load(open(mc.download_artifacts(rid, "config.yaml", d)))
-        runs.append({"id": rid, "experiment": e.name, "experiment_id": e.experiment_id,
-                     "location": e.artifact_location, "name": r.info.run_name, "status": r.info.status,
-                     "parent": r.data.tags.get("mlflow.parentRunId"), "artifact_uri": r.info.artifact_uri,
-                     "params": r.data.params, "metrics": r.data.metrics,
-                     "steps": [m.step for m in mc.get_metric_history(rid, "comm/total_bytes")],
-                     "artifacts": names, "config": config})
-print(json.dumps(runs))
-"""
-
-def _listing(team) -> list[dict]:
-    """Every run with its metrics' steps and artifacts, read through the server's API."""
-    listing = team.python(DUMP, team.env())
-    assert listing.returncode == 0, listing.stderr[-3000:]
-    runs = json.loads(listing.stdout)
-    for run in runs:
-        print(f"  {run['experiment']:<10} {run['name']:<15} {run['status']:<8} {run['id']} {run['artifact_uri']} "
-              f"{len(run['steps'])} steps: {', '.join(sorted(run['artifacts']))}")
-    return runs
 
 
 CHILD_ARTIFACTS = {"config.yaml", "client_metrics.csv", "plots/accuracy_vs_round.png", "plots/accuracy_vs_bytes.png",
@@ -464,19 +318,19 @@ def test_sweep_on_two_nodes_tracks_through_the_server_and_survives_its_restart(t
     failed = [ln for ln in lines if ln.startswith("failed: ")]
     # a trial cut off while it logged, or one that started just then
     reason = re.compile(f"TrackingStoreError: MLFLOW_TRACKING_URI: {re.escape(team.uri)}: (the MLflow server "
-                        r"stopped answering|no MLflow server answers) \(connection refused\)$")
+                        r"stopped answering|no MLflow server answers) \(connection (refused|lost)\)$")
     assert failed and all(reason.search(ln.rstrip()) for ln in failed), failed
     assert "stopped: the MLflow tracking store stopped answering" in out and "--resume" in out
     assert "== best ==" not in out
 
     team.start_server()
-    before = _listing(team)
+    before = listing(team)
     resumed = team.run(args + ["--resume"], env, work, timeout=600)
     print(resumed.stdout)
     assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-3000:]
     assert f"{team.uri}/#/experiments/" in resumed.stdout  # the closing hint is the server's page
 
-    runs = _listing(team)
+    runs = listing(team)
     counts = {when: {s: sum(r["status"] == s for r in rs if r["parent"]) for s in ("FINISHED", "RUNNING", "FAILED")}
               for when, rs in (("before --resume", before), ("after", runs))}
     print("child runs", counts)
