@@ -103,7 +103,7 @@ def _digest(value) -> str:
 
 def run_digests(name: str) -> tuple[str, str]:
     from pfl.federation.loop import RoundLoop
-    from pfl.federation.simulator import simulator_for
+    from pfl.federation.drivers import simulator_for
     from pfl.federation.state import encode
 
     cfg = _config(name)
