@@ -121,7 +121,7 @@ def test_malicious_subset_is_round_m_fraction_drawn_once_from_the_seed():
     ids = malicious_clients(cfg, 10)
     assert len(ids) == 3 and list(ids) == sorted(set(ids))               # round(2.5) = 3 (halves up)
     assert malicious_clients(cfg, 10) == ids
-    assert malicious_clients(with_overrides(cfg, {"attack.kind": "sign_flip"}), 10) == ids   # same clients for every attack
+    assert malicious_clients(with_overrides(cfg, {"attack.kind": "sign_flip"}), 10) == ids  # same for every attack
     assert malicious_clients(with_overrides(cfg, {"seed": 5}), 10) != ids
     assert malicious_clients(with_overrides(cfg, {"attack.kind": "none"}), 10) == ()
     assert len(malicious_clients(with_overrides(cfg, {"attack.fraction": 0.8}), 100)) == 80

@@ -5,10 +5,11 @@
 pipeline's schedule is done: ``FINISHED``). When the round budget is reached, the newcomers (if the
 config holds some) join (:func:`pfl.federation.newcomers.join_newcomers`) and their ``newcomer/*``
 metrics go into ``summary``. The simulator never builds a loop: whoever runs it does
-(:func:`pfl.callbacks.divergence.run_rounds` is the loop with only the divergence check). Every path through ``pfl run``, the Ray Tune
-trainables (the FPFC λ path included) and the comparison pipelines is this loop with a different
-list of callbacks. Callbacks are called in list order; a callback that adds to the round's metrics
-(the λ path's stage records) comes before those that log them.
+(:func:`pfl.callbacks.divergence.run_rounds` is the loop with only the divergence check). Every
+path through ``pfl run``, the Ray Tune trainables (the FPFC λ path included) and the comparison
+pipelines is this loop with a different list of callbacks. Callbacks are called in list order; a
+callback that adds to the round's metrics (the λ path's stage records) comes before those that log
+them.
 
 A checkpoint is the simulator's state plus the state of every callback with a ``key``
 (:meth:`RoundLoop.save` / :meth:`RoundLoop.load`, files by :mod:`pfl.federation.checkpoint`), so a

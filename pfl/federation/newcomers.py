@@ -43,8 +43,8 @@ from collections import Counter
 
 import numpy as np
 
-from ..config import ExperimentConfig, round_share
 from ..clusters import cluster_metrics
+from ..config import ExperimentConfig, round_share
 from ..evaluation import summarize
 from .context import derive_seed
 from .wire import Phase

@@ -54,7 +54,8 @@ class Population:
         there are any."""
         out = []
         true = self.ctx.meta.true_clusters
-        for name, ids in (("attack_malicious.csv", sorted(self.malicious)), ("newcomers.csv", list(self.ctx.newcomers))):
+        listed = (("attack_malicious.csv", sorted(self.malicious)), ("newcomers.csv", list(self.ctx.newcomers)))
+        for name, ids in listed:
             if ids:
                 path = Path(outdir) / name
                 lines = ["client,true_cluster,n_train"] + [

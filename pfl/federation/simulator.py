@@ -238,8 +238,10 @@ class Simulator:
         """``<name>_acc`` (``<name>_rmse``): server-side models, one per client (``model_of(cid)``),
         sent to the clients (counted as evaluation traffic) and tested on their test splits."""
         rnd, task, cids = self.round - 1, self.data.task, self.evaluation_clients()
-        arrivals = self.exchange(Phase("eval", rnd), cids, lambda cid: Message.of(model_of(cid)),
-                                 lambda client, msg: (None, evaluate_plan(client, EvalPlan(msg.tensors()), task, False)))
+        def test(client: ClientHandle, msg: Message):  # nothing goes back: the row is the client's measurement
+            return None, evaluate_plan(client, EvalPlan(msg.tensors()), task, False)
+
+        arrivals = self.exchange(Phase("eval", rnd), cids, lambda cid: Message.of(model_of(cid)), test)
         summary = summarize(self.summary_rows([self.population.mark(arrivals[cid].local) for cid in cids]), task)
         if task == "classification":
             return {f"{name}_acc": summary["test/acc_mean"]} if "test/acc_mean" in summary else {}
