@@ -17,12 +17,12 @@ accept a flat (d,) with d a perfect square (read as 1×√d×√d).
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from torch import nn
 
+from ..registry import Registry
 from ..schema import ConfigError, describe, from_dict, to_dict
 from .functional import flatten_params, init_params, num_params, params_of, unflatten_params
 from .groups import LayerGroups, layer_groups
@@ -50,14 +50,11 @@ class ModelSpec:
 _VECTOR = "any shape (flattened to d features)"
 _IMAGE = "images (C, H, W), or flat (d,) with d a perfect square"
 
-_REGISTRY: dict[str, ModelSpec] = {}
+MODELS: Registry[ModelSpec] = Registry("model", "model.name")
 
 
 def register(spec: ModelSpec) -> ModelSpec:
-    if spec.name in _REGISTRY:
-        raise ValueError(f"model {spec.name!r} is already registered")
-    _REGISTRY[spec.name] = spec
-    return spec
+    return MODELS.register(spec.name, spec)
 
 
 for _spec in (
@@ -96,18 +93,12 @@ _FALLBACK_DEFAULTS = {
 
 def list_models() -> list[ModelSpec]:
     """Every registered model, in registration order."""
-    return list(_REGISTRY.values())
+    return MODELS.values()
 
 
 def model_spec(name: str) -> ModelSpec:
     """The spec of model ``name``, or a ConfigError on ``model.name`` listing the allowed names."""
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        close = difflib.get_close_matches(str(name), list(_REGISTRY), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError("model.name", f"unknown model {name!r}{hint}; allowed: "
-                                        f"{', '.join(_REGISTRY)}") from None
+    return MODELS.get(name)
 
 
 def _params_instance(spec: ModelSpec, params: Any) -> Any:
@@ -147,7 +138,7 @@ def default_model(source: str) -> str:
     name = getattr(source_spec(source), "default_model", None) if source_spec else _FALLBACK_DEFAULTS.get(source)
     if not name:
         raise ConfigError("model.name", f"'auto' has no default model for data source {source!r}; "
-                                        f"set one of: {', '.join(_REGISTRY)}")
+                                        f"set one of: {', '.join(MODELS.names())}")
     return name
 
 
