@@ -173,9 +173,10 @@ for e in mc.search_experiments():
 print(json.dumps(runs))
 """
 
-def listing(team) -> list[dict]:
-    """Every run with its metrics' steps and artifacts, read through the server's API."""
-    listing = team.python(DUMP, team.env())
+def listing(team, env: dict | None = None) -> list[dict]:
+    """Every run with its metrics' steps and artifacts, read through the server's API (or the store
+    that ``env`` names)."""
+    listing = team.python(DUMP, env or team.env())
     assert listing.returncode == 0, listing.stderr[-3000:]
     runs = json.loads(listing.stdout)
     for run in runs:

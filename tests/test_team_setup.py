@@ -87,7 +87,7 @@ def test_hints_and_urls_for_each_kind_of_store():
     ("API request to http://h:5099/api/2.0/mlflow/runs/get failed with exception HTTPConnectionPool(host='h', "
      "port=5099): Max retries exceeded with url: /x (Caused by ResponseError('too many 503 error responses'))",
      "the MLflow server failed (HTTP 503; its database may be down)"),
-])
+], ids=["refused", "lost", "http503"])
 def test_a_store_that_goes_away_is_one_line_naming_the_variable(text, problem):
     from mlflow.exceptions import MlflowException
 
@@ -225,7 +225,7 @@ def test_an_experiment_with_local_artifacts_on_a_server_is_named_once(team, tmp_
 
 # ---- a sweep on a two-node Ray cluster, through the server --------------------------------------
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def two_nodes(team):
     """A Ray head and a second node (`ray start --address`), one CPU each, with a private token."""
     from test_tune import _processes_of  # this cluster's processes only (never `ray stop`)
@@ -356,3 +356,35 @@ def test_sweep_on_two_nodes_tracks_through_the_server_and_survives_its_restart(t
         stored = team.artifacts / child["experiment_id"] / child["id"] / "artifacts"
         assert {str(p.relative_to(stored)) for p in stored.rglob("*") if p.is_file()} >= CHILD_ARTIFACTS
     assert not (work / "mlartifacts").exists() and not list(work.iterdir()), list(work.iterdir())
+
+
+@pytest.mark.slow
+def test_concurrent_trials_on_two_nodes_write_to_postgresql_directly(team, two_nodes, tmp_path):
+    """A database URI instead of a server: every trial writes to PostgreSQL itself (no file lock, as
+    SQLite needs); artifacts go to the configured root, here beside the driver."""
+    import yaml
+
+    address, ray_auth = two_nodes
+    made = team.run([str(team.pg_bin / "createdb"), "-h", "127.0.0.1", "-p", str(team.pg_port), "-U", "pfl",
+                     "direct"], clean_env(), tmp_path)
+    assert made.returncode == 0, made.stderr
+    uri = f"postgresql+psycopg://pfl@127.0.0.1:{team.pg_port}/direct"
+    rates, rounds = (0.05, 0.1, 0.2, 0.4), 6
+    space = tmp_path / "space.yaml"
+    space.write_text(yaml.safe_dump({
+        "base": {"data.source": "digits", "data.num_clients": 6, "federation.rounds": rounds,
+                 "federation.clients_per_round": 3, "federation.eval_every": 2, "federation.local_epochs": 1},
+        "fixed": {"method.name": "fedavg"}, "search": {"federation.lr": {"type": "grid", "values": list(rates)}},
+        "searcher": "grid", "num_samples": 1, "max_concurrent": 2, "resources": {"cpu": 1},
+    }))
+    env = {**clean_env(MLFLOW_TRACKING_URI=uri, PFL_CACHE_DIR=str(tmp_path / "cache"), RAY_ADDRESS=address),
+           **ray_auth}
+    done = team.run(_sweep_args(space, tmp_path / "ray_results"), env, tmp_path, timeout=600)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert f"--backend-store-uri {uri}" in done.stdout  # the closing hint: mlflow ui on the database
+    runs = listing(team, env)
+    children = [r for r in runs if r["parent"]]
+    assert sorted(c["name"] for c in children) == sorted(f"fedavg lr={v:g}" for v in rates)
+    assert all(c["status"] == "FINISHED" and c["steps"] == list(range(1, rounds + 1)) for c in children)
+    assert all(CHILD_ARTIFACTS <= set(c["artifacts"]) for c in children)
+    assert all(c["artifact_uri"].startswith((tmp_path / "mlartifacts").as_uri()) for c in children)
