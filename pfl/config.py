@@ -3,6 +3,7 @@
 Layout (YAML)::
 
     seed: 0
+    plugins: [my_method.py]                           # own methods/models (pfl/plugins.py)
     data: {source: digits, num_clients: 20, partition: {kind: dirichlet, alpha: 0.5}, ...}
     model: {name: auto, params: {}}
     method: {name: fedavg, <that method's hyperparameters>}
@@ -66,8 +67,13 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    name: str = hp("auto", "model (see `pfl methods --models`); 'auto' picks the source's default")
-    params: dict = hp(default_factory=dict, doc="model-specific parameters")
+    name: str = hp("auto", "model (see `pfl methods --models`); 'auto' picks the source's default; your own: "
+                           "'path/to/file.py:ClassName' or 'package.module:factory' (docs/your-data.md)")
+    params: dict = hp(default_factory=dict, doc="model-specific parameters (your own model: its keyword arguments)")
+    head: list[str] | None = hp(None, "parameter-name prefixes of the head, for the methods that split body and "
+                                      "head (LG-FedAvg, FedRep-style partial sharing, FedSLR, PerFed-CKT, FPFC's head "
+                                      "scope); null = the model's last layer (your own model: its last nn.Linear, "
+                                      "filled in when the config is resolved)")
 
 
 @dataclass
@@ -187,13 +193,14 @@ class CompressionConfig:
         self.downlink = resolve_spec(self.downlink, f"{path}.downlink")
 
 
-SECTIONS = ("seed", "data", "model", "method", "federation", "tracking", "compression", "attack",
+SECTIONS = ("seed", "plugins", "data", "model", "method", "federation", "tracking", "compression", "attack",
             "newcomers")
 
 
 @dataclass
 class ExperimentConfig:
     seed: int = 0
+    plugins: list[str] = dataclasses.field(default_factory=list)  # pfl/plugins.py: own methods, models
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     method: MethodConfig = dataclasses.field(default_factory=MethodConfig)
@@ -206,6 +213,7 @@ class ExperimentConfig:
     def to_dict(self) -> dict:
         return {
             "seed": self.seed,
+            "plugins": list(self.plugins),
             "data": to_dict(self.data),
             "model": to_dict(self.model),
             "method": self.method.to_dict(),
@@ -284,15 +292,18 @@ def resolve(raw: dict | None) -> ExperimentConfig:
     from .methods import resolve_method_config
     from .models import resolve_model_config
 
+    from .plugins import load_plugins
+
     raw = dict(raw or {})
     for key in raw:
         if key not in SECTIONS:
             raise unknown_key_error(key, SECTIONS, "")
-        if key != "seed" and raw[key] is not None and not isinstance(raw[key], dict):
+        if key not in ("seed", "plugins") and raw[key] is not None and not isinstance(raw[key], dict):
             raise ConfigError(key, f"expected a mapping of {key} settings, got {raw[key]!r}")
     seed = raw.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ConfigError("seed", f"expected a non-negative integer, got {seed!r}")
+    plugins = load_plugins(raw.get("plugins"))  # first: they may register methods, models, sources
     data = from_dict(DataConfig, raw.get("data"), "data")
     resolve_data_config(data)
     model = from_dict(ModelConfig, raw.get("model"), "model")
@@ -306,7 +317,7 @@ def resolve(raw: dict | None) -> ExperimentConfig:
     compression = from_dict(CompressionConfig, raw.get("compression"), "compression")
     attack = from_dict(AttackConfig, raw.get("attack"), "attack")
     newcomers = from_dict(NewcomersConfig, raw.get("newcomers"), "newcomers")
-    cfg = ExperimentConfig(seed=seed, data=data, model=model, method=method, federation=federation,
+    cfg = ExperimentConfig(seed=seed, plugins=plugins, data=data, model=model, method=method, federation=federation,
                            tracking=tracking, compression=compression, attack=attack, newcomers=newcomers)
     resolve_model_config(cfg)
     from .compression.checks import check_method_compression
@@ -392,14 +403,18 @@ def config_notes(cfg: ExperimentConfig) -> list[str]:
 
 
 def load(path: str | Path | None = None, overrides: list[str] | dict | None = None,
-         scenario: dict[str, Any] | None = None) -> ExperimentConfig:
+         scenario: dict[str, Any] | None = None, plugins: list[str] | None = None) -> ExperimentConfig:
     """Read a YAML file (or start from the defaults), apply overrides, validate.
 
-    ``scenario`` ({dotted key: value}) comes first; the file and then the overrides change it."""
+    ``scenario`` ({dotted key: value}) comes first; the file and then the overrides change it;
+    ``plugins`` (``--plugin``) are added to the config's."""
     raw = read_yaml(path) if path is not None else {}
     if scenario:
         raw = apply_overrides(apply_overrides({}, scenario), flatten(raw))
-    return resolve(apply_overrides(raw, overrides))
+    raw = apply_overrides(raw, overrides)
+    if plugins:
+        raw["plugins"] = list(raw.get("plugins") or []) + list(plugins)
+    return resolve(raw)
 
 
 __all__ = [

@@ -115,6 +115,9 @@ class Simulator:
         torch.manual_seed(cfg.seed)  # only model construction; all later draws use derived generators
         model = build_model(cfg.model.name, cfg.model.params, self.data.input_shape,
                             self.data.num_classes).to(self.device)
+        from ..models.custom import prepare_model
+
+        model = prepare_model(model, cfg, self.data)  # buffers, output shape, model.head: one-line errors
         from .attacks import malicious_clients
         from .newcomers import newcomer_clients
 

@@ -1,5 +1,7 @@
 """The model zoo: a registry of named models, their parameter dataclasses, and their layer groups.
 
+Your own model (``model.name: path/to/file.py:Class``) is built and checked by :mod:`.custom`.
+
 Conventions every model follows (the engine relies on them):
 
 - a plain ``nn.Module`` with no buffers (GroupNorm, never BatchNorm), so a client's whole state is
@@ -101,6 +103,10 @@ def list_models() -> list[ModelSpec]:
 
 def model_spec(name: str) -> ModelSpec:
     """The spec of model ``name``, or a ConfigError on ``model.name`` listing the allowed names."""
+    from .custom import is_custom, model_spec_for
+
+    if is_custom(name):  # your own model: 'file.py:Class' or 'module:factory' (pfl/models/custom.py)
+        return model_spec_for(name)
     try:
         return _REGISTRY[name]
     except KeyError:
@@ -157,10 +163,28 @@ def resolve_model_config(cfg: Any) -> None:
     ``auto`` becomes the data source's default model; the name is checked against the registry and
     ``cfg.model.params`` is replaced by the complete, validated parameter dict (defaults filled in).
     """
+    from .custom import is_custom, resolve_head
+
     if cfg.model.name == "auto":
         cfg.model.name = default_model(cfg.data.source)
+    if is_custom(cfg.model.name):
+        cfg.model.name = _absolute_model_file(cfg.model.name)
     spec = model_spec(cfg.model.name)
     cfg.model.params = to_dict(_params_instance(spec, cfg.model.params))
+    if is_custom(cfg.model.name):
+        from ..data import source_spec
+
+        shape, num_classes = source_spec(cfg.data.source).shape(cfg.data.params)
+        resolve_head(cfg, shape, max(1, num_classes))
+
+
+def _absolute_model_file(name: str) -> str:
+    """'rel/file.py:Class' with the file made absolute (a Ray trial runs in another directory)."""
+    from ..plugins import is_file_entry
+    from ..tune.runtime_env import absolute_path
+
+    where, _, attr = name.rpartition(":")
+    return f"{absolute_path(where)}:{attr}" if where and is_file_entry(where) else name
 
 
 def params_doc(name: str) -> list[tuple[str, str, Any, str]]:

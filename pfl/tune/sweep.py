@@ -111,16 +111,19 @@ def _reload_auth_settings() -> None:
         log.debug("could not reload Ray's auth settings: %s", err)
 
 
-def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
+def init_ray(address: str | None = None, num_cpus: int | None = None,
+             runtime_env: dict[str, Any] | None = None) -> str:
     """Connect to ``address``/``$RAY_ADDRESS``, else start a local instance on 127.0.0.1.
-    Returns a description."""
+    ``runtime_env`` (pfl.tune.runtime_env) adds what the workers need. Returns a description."""
     import ray
 
     if ray.is_initialized():
         return "already initialised"
     env = export_environment()
     address = address or os.environ.get("RAY_ADDRESS")
-    kwargs: dict[str, Any] = dict(runtime_env={"env_vars": env}, log_to_driver=False, configure_logging=False)
+    job_env = dict(runtime_env or {})
+    job_env["env_vars"] = {**env, **job_env.get("env_vars", {})}
+    kwargs: dict[str, Any] = dict(runtime_env=job_env, log_to_driver=False, configure_logging=False)
     if address:
         check_address(address)
         if address.rpartition(":")[0] in ("127.0.0.1", "localhost", "::1"):
@@ -437,6 +440,8 @@ def run_sweep(space: SearchSpace, *, overrides: list[str] | None = None, smoke: 
 
     from ..config import resolve
     from ..data import load_federated
+    from ..models.custom import check_model_on
+    from .runtime_env import worker_runtime_env
     from .trainable import federated_trainable
 
     raw = base_config(space, overrides, smoke=smoke)
@@ -444,7 +449,11 @@ def run_sweep(space: SearchSpace, *, overrides: list[str] | None = None, smoke: 
     base_cfg = resolve(raw)
     if base_cfg.tracking.enabled:
         check_store()
-    load_federated(base_cfg.data, base_cfg.seed)  # unreadable data fails here; the partition is cached
+    data = load_federated(base_cfg.data, base_cfg.seed)  # unreadable data fails here; the partition is cached
+    check_model_on(base_cfg, data)  # your model's buffers, output shape and head, on one batch
+    del data
+    on_cluster = bool(address or os.environ.get("RAY_ADDRESS"))
+    shipped = worker_runtime_env([base_cfg], ship_data=on_cluster)  # plugin files, model files, data sets
     res = {"cpu": space.resources.cpu, "gpu": space.resources.gpu}
     res.update(resources or {})
     samples = num_samples or (space.smoke_samples if smoke else space.num_samples)
@@ -460,9 +469,11 @@ def run_sweep(space: SearchSpace, *, overrides: list[str] | None = None, smoke: 
         config = getattr(config_or_trial, "config", config_or_trial) or {}
         return trial_label({k: config[k] for k in searched if k in config}, prefix)
 
-    where = init_ray(address)
+    where = init_ray(address, runtime_env=shipped.runtime_env)
     if progress:
         progress(f"Ray: {where}; experiment {exp_path}")
+        for note in shipped.notes:
+            progress(f"note: {note}")
 
     def bind(setup: dict[str, Any]):
         fn = tune.with_parameters(trainable or federated_trainable, setup=setup)
