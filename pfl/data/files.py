@@ -144,7 +144,7 @@ def inspect(p: FilesParams) -> Inspected:
     table = readers[fmt]()
     if fmt == "npz":  # the features are read only when the federation is built
         table.chunks = functools.partial(_npz_chunks, path, p)
-    result = _inspect_table(table, p)
+    result = inspect_table(table, p)
     _CACHE[key] = result
     while len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)
@@ -155,7 +155,7 @@ def _npz_chunks(path: Path, p: FilesParams):
     yield from read_npz(path, p).iter_features()
 
 
-def _inspect_table(table: Table, p: FilesParams) -> Inspected:
+def inspect_table(table: Table, p) -> Inspected:
     where = table.where
     y, task = labels_of(table.labels, p.task, p.label_column, where)
     num_classes = int(y.max()) + 1 if task == CLASSIFICATION and len(y) else 0
@@ -219,11 +219,16 @@ def _need(cfg, fixed_test: bool) -> tuple[int, str]:
 def check_config(cfg) -> None:
     """Cross-field checks of a resolved ``data`` section with this source (before any work)."""
     p = FilesParams(**cfg.params)
-    info = inspect(p)
+    check_inspected(inspect(p), p, cfg)
+
+
+def check_inspected(info: Inspected, p, cfg) -> None:
+    """What a data section asks of inspected data: kinds that fit the task, enough clients, and
+    clients large enough for their splits (also used by the hf source)."""
     kind = cfg.partition.kind
     if info.task == REGRESSION and kind not in ("natural", "iid", "rotation"):
-        raise ConfigError("data.partition.kind", f"{kind!r} splits by class label, but {p.path} holds regression "
-                                                 "targets; allowed: natural (with client ids), iid, rotation")
+        raise ConfigError("data.partition.kind", f"{kind!r} splits by class label, but {info.table.where} holds "
+                                                 "regression targets; allowed: natural (with client ids), iid, rotation")
     if kind != "natural":
         return
     if cfg.max_samples is not None:
@@ -233,7 +238,7 @@ def check_config(cfg) -> None:
     if cfg.num_clients > len(kept):
         dropped = f" ({len(info.ids) - len(kept)} below data.params.min_client_samples left out)" \
             if len(kept) < len(info.ids) else ""
-        raise ConfigError("data.num_clients", f"{p.path} has {len(kept)} clients{dropped}; allowed range "
+        raise ConfigError("data.num_clients", f"{info.table.where} has {len(kept)} clients{dropped}; allowed range "
                                               f"[1, {len(kept)}]")
     fixed = info.table.test is not None
     need, what = _need(cfg, fixed)
@@ -256,7 +261,11 @@ def _featurize(x: np.ndarray, scale: float, shape: tuple[int, ...]) -> np.ndarra
 
 
 def load(p: FilesParams, num_clients: int) -> SourceData:
-    info = inspect(p)
+    return source_data(inspect(p), p, num_clients)
+
+
+def source_data(info: Inspected, p, num_clients: int) -> SourceData:
+    """The :class:`SourceData` of inspected data (features read on demand; also the hf source's)."""
     table = info.table
     scale = p.scale if p.scale is not None else (255.0 if table.dtype == np.uint8 else 1.0)
     featurize = functools.partial(_featurize, scale=float(scale), shape=info.input_shape)
@@ -273,17 +282,7 @@ def load(p: FilesParams, num_clients: int) -> SourceData:
                       test_rows=table.test, fingerprint=info.fingerprint)
 
 
-def _shape(p: FilesParams) -> tuple[tuple[int, ...], int]:
-    info = inspect(p)
-    return info.input_shape, info.num_classes
-
-
-def _has_clients(p: FilesParams) -> bool:
-    return inspect(p).ids is not None
-
-
-def _default_kind(p: FilesParams) -> str:
-    info = inspect(p)
+def default_kind(info: Inspected) -> str:
     if info.ids is not None:
         return "natural"
     return "iid" if info.task == REGRESSION else "dirichlet"
@@ -291,8 +290,11 @@ def _default_kind(p: FilesParams) -> str:
 
 register_source(SourceSpec(
     "files", "your own data: .npz, Parquet, CSV, per-client folders or LEAF JSON (docs/your-data.md)",
-    FilesParams, "mlp", CLASSIFICATION, per_client=False, image=False, shape_fn=_shape, load_fn=load,
-    check_fn=inspect, default_kind=_default_kind, has_clients=_has_clients, check_config=check_config))
+    FilesParams, "mlp", CLASSIFICATION, per_client=False, image=False,
+    shape_fn=lambda p: (inspect(p).input_shape, inspect(p).num_classes), load_fn=load, check_fn=inspect,
+    default_kind=lambda p: default_kind(inspect(p)), has_clients=lambda p: inspect(p).ids is not None,
+    check_config=check_config))
 
 
-__all__ = ["FilesParams", "Inspected", "check_config", "detect", "inspect", "load"]
+__all__ = ["FilesParams", "Inspected", "check_config", "check_inspected", "default_kind", "detect", "inspect",
+           "inspect_table", "load", "source_data"]
