@@ -211,8 +211,17 @@ def read_csv(path: Path, params) -> Table:
 
 # ---- per-client folders -------------------------------------------------------------------------
 
+def sorted_ids(ids: list[str]) -> list[str]:
+    """Ids in pfl's client order: numerically when every id is an integer, else as text."""
+    if ids and all(i.lstrip("-").isdigit() for i in ids):
+        return sorted(ids, key=int)
+    return sorted(ids)
+
+
 def read_client_folder(folder: Path, files: list[Path], params) -> Table:
     """Each file is one client (its id the file name's stem); rows in sorted-id order."""
+    by_id = {f.stem: f for f in files}
+    files = [by_id[i] for i in sorted_ids(list(by_id))]
     parts = []
     for f in files:
         t = read_npz(f, params) if f.suffix == ".npz" else read_parquet(f, params)
@@ -282,7 +291,7 @@ def read_leaf(path: Path, params) -> Table:
             del blob
     if not users:
         raise ConfigError(PATH_KEY, f"{path} holds no LEAF users (looked for *.json, train/*.json, test/*.json)")
-    names = sorted(users)
+    names = sorted_ids(list(users))
     x = np.concatenate([a for u in names for a in users[u]["x"]])
     counts = [len(users[u]["y"]) for u in names]
     y = [v for u in names for v in users[u]["y"]]

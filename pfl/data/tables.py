@@ -241,7 +241,12 @@ def group_ids(values: pa.Array | pa.ChunkedArray, column: str, where: str, key: 
     if not (_is_number(values.type) or pa.types.is_string(values.type) or pa.types.is_large_string(values.type)):
         values = values.cast(pa.string())
     distinct = pc.unique(values)
-    distinct = distinct.take(pc.array_sort_indices(distinct))
+    if _is_number(values.type):
+        distinct = distinct.take(pc.array_sort_indices(distinct))
+    else:  # text ids: numerically when every id is an integer ('2' before '10'), as a folder's names
+        from .readers import sorted_ids
+
+        distinct = pa.array(sorted_ids(distinct.to_pylist()), type=values.type)
     index = pc.index_in(values, value_set=distinct).to_numpy(zero_copy_only=False).astype(np.int64)
     return distinct.to_pylist(), index
 
