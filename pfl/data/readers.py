@@ -68,10 +68,14 @@ class Table:
             check_finite(chunk, start, self.plan, self.where)
             where_to = dest[start:start + len(chunk)]
             keep = where_to >= 0
-            rows = featurize(chunk[keep])
+            if keep.all():  # every row used (a natural partition): no copy of the chunk first
+                rows = featurize(chunk)
+            else:
+                rows = featurize(chunk[keep])
+                where_to = where_to[keep]
             if out is None:
                 out = np.empty((len(order),) + rows.shape[1:], dtype=np.float32)
-            out[where_to[keep]] = rows
+            out[where_to] = rows
         if out is None:
             out = np.empty((len(order),) + tuple(featurize(np.zeros((0,) + self.sample_shape)).shape[1:]),
                            dtype=np.float32)
