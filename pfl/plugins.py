@@ -9,8 +9,9 @@ may name it, and the cohort, compression, checkpoint and resume machinery treat 
 * An entry ending in ``.py`` or containing a path separator is a file, relative to the directory
   the run was started from; the resolved config keeps its absolute path. Anything else is a module
   name imported from ``sys.path``.
-* A file is imported once per process under a name derived from its absolute path
-  (``pfl_user_<stem>_<hash>``), so loading the same config twice registers nothing twice.
+* A file is imported once per process under a name derived from its content
+  (``pfl_user_<stem>_<hash>``), so loading the same config twice registers nothing twice (an
+  edited file is a new module, and registering its names again is an error).
 * Every failure is a ConfigError on ``plugins[i]``: a missing file, an import that fails (its
   first line), and a name registered twice (a plugin may not replace a built-in). A plugin that
   fails leaves the registries as they were before it.
@@ -48,9 +49,11 @@ def _user_frame(err: BaseException, path: str) -> str:
     return f" (line {lines[-1]})" if lines else ""
 
 
-def module_name_for(path: str) -> str:
+def module_name_for(path: str | Path, content: bytes) -> str:
+    """The module name of a plugin file: its stem and a hash of its content, so the same file
+    (also a Ray worker's copy of it) is one module, and an edited one another."""
     stem = "".join(c if c.isalnum() else "_" for c in Path(path).stem)
-    return f"pfl_user_{stem}_{hashlib.sha1(path.encode()).hexdigest()[:10]}"
+    return f"pfl_user_{stem}_{hashlib.sha1(content).hexdigest()[:12]}"
 
 
 def _registries() -> list[dict]:
@@ -88,12 +91,12 @@ def _restore(before: list[dict]) -> None:
 
 def import_file(path: str, key: str) -> ModuleType:
     """Import the Python file ``path`` (absolute) once; errors are ConfigErrors on ``key``."""
-    name = module_name_for(path)
-    if name in sys.modules:
-        return sys.modules[name]
     local = shipped_path(path)
     if not local.is_file():
         raise ConfigError(key, f"no such file: {path}")
+    name = module_name_for(local, local.read_bytes())
+    if name in sys.modules:
+        return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, local)
     if spec is None or spec.loader is None:
         raise ConfigError(key, f"{path} cannot be imported as Python")

@@ -200,6 +200,17 @@ def test_cache_serves_the_second_run_and_never_a_stale_partition(arrays, tmp_pat
     assert sorted(client_rows(edited, 0)[1].tolist()) == sorted(y2[arrays["client"] == 2].tolist())
 
 
+def test_client_metrics_name_each_natural_client_by_its_own_id(arrays, tmp_path):
+    from pfl.config import load
+    from pfl.federation.simulator import Simulator
+
+    np.savez(tmp_path / "d.npz", **arrays)
+    sim = Simulator(load(None, {"data.source": "files", "data.params.path": str(tmp_path / "d.npz"),
+                                "data.num_clients": 4, "federation.rounds": 1, "tracking.enabled": False}))
+    sim.run()
+    assert [r["client_id"] for r in sim.last_client_table] == [str(i) for i in sorted(IDS)[:4]]
+
+
 # ---- bad input: one ConfigError naming the key -----------------------------------------------
 
 

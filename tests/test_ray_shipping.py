@@ -42,12 +42,13 @@ def _project(tmp_path: Path) -> Path:
     pq.write_table(pa.table({"label": rng.integers(0, 4, n), "client": rng.integers(0, 5, n),
                              "x": list(rng.normal(size=(n, 16)).astype(np.float32))}), tmp_path / "data.parquet")
     (tmp_path / "my_model.py").write_text(MODEL)
-    (tmp_path / "my_method.py").write_text(METHOD + PROBE)
+    # its own method name: test_own_code.py registers fedavg_mix in the same test process
+    (tmp_path / "my_method.py").write_text(METHOD.replace('"fedavg_mix"', '"mix_probe"') + PROBE)
     (tmp_path / "space.yaml").write_text(yaml.safe_dump({
         "description": "own data, model and method",
         "base": {"data.source": "files", "data.params.path": "data.parquet", "data.num_clients": 5,
                  "federation.rounds": 2, "federation.clients_per_round": 3, "federation.local_epochs": 1},
-        "fixed": {"plugins": ["my_method.py"], "method.name": "fedavg_mix", "model.name": "my_model.py:SmallNet"},
+        "fixed": {"plugins": ["my_method.py"], "method.name": "mix_probe", "model.name": "my_model.py:SmallNet"},
         "search": {"method.alpha": {"type": "grid", "values": [0.0, 1.0]}},
         "searcher": "grid", "num_samples": 1, "metric": "val/acc_mean"}))
     return tmp_path
@@ -83,10 +84,10 @@ def test_sweep_on_a_loopback_head_gets_plugin_model_and_data_through_runtime_env
 
     code, out = _sweep(run, project, {})
     assert code == 0, out[-4000:]
-    assert "cluster at" in out and "fedavg_mix alpha=0" in out
+    assert "cluster at" in out and "mix_probe alpha=0" in out
     children = _children(project)
     assert len(children) == 2 and all(c.info.status == "FINISHED" for c in children)
-    assert {c.data.params["method.name"] for c in children} == {"fedavg_mix"}
+    assert {c.data.params["method.name"] for c in children} == {"mix_probe"}
     assert all(c.data.params["model.head"] == "['out']" for c in children)
     probes = _probes(project)
     assert probes, "no worker imported the plugin"
@@ -130,7 +131,7 @@ def test_runtime_env_stages_what_a_config_reads(tmp_path, monkeypatch):
     monkeypatch.chdir(project)
     monkeypatch.syspath_prepend(str(project))
     cfg = load(None, ["data.source=files", "data.params.path=data.parquet", "data.num_clients=5",
-                      "method.name=fedavg_mix", "model.name=my_model.py:SmallNet"],
+                      "method.name=mix_probe", "model.name=my_model.py:SmallNet"],
                plugins=["my_method.py", "mypkg.extra", "json"])
     env = worker_runtime_env([cfg]).runtime_env
     mapping = json.loads(env["env_vars"][SHIPPED_ENV])
@@ -154,3 +155,29 @@ def test_runtime_env_stages_what_a_config_reads(tmp_path, monkeypatch):
     monkeypatch.setenv(ORIGIN_ENV, str(project))
     monkeypatch.chdir(tmp_path.parent)  # a trial's own directory: relative paths still mean the driver's
     assert shipped_path("data.parquet").parent == folder
+
+
+@pytest.mark.parametrize("fixed, field, words", [
+    ({"model.name": "my_model.py:WrongOutput"}, "model.name", ["returns (8, 3)"]),
+    ({"model.name": "my_model.py:WithBatchNorm"}, "model.name", ["BatchNorm1d", "GroupNorm"]),
+    ({"plugins": ["missing_method.py"]}, "plugins[0]", ["no such file"]),
+    ({"data.params.path": "nope.parquet"}, "data.params.path", ["no such file"]),
+])
+def test_a_sweep_with_bad_own_code_or_data_stops_before_ray_and_mlflow(tmp_path, monkeypatch, fixed, field, words):
+    import ray
+
+    from pfl.schema import ConfigError
+    from pfl.tune.space import load_space
+    from pfl.tune.sweep import run_sweep
+
+    project = _project(tmp_path)
+    space = yaml.safe_load((project / "space.yaml").read_text())
+    space["fixed"].update(fixed)
+    (project / "space.yaml").write_text(yaml.safe_dump(space))
+    monkeypatch.chdir(project)
+    with pytest.raises(ConfigError) as err:
+        run_sweep(load_space("space.yaml"), storage=tmp_path / "ray_results", progress=None)
+    assert err.value.field.endswith(field) and all(w in str(err.value) for w in words), str(err.value)
+    assert not ray.is_initialized() and not (tmp_path / "ray_results").exists()
+    mc = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+    assert not [r for e in mc.search_experiments() for r in mc.search_runs([e.experiment_id])]

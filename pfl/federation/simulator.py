@@ -372,6 +372,8 @@ class Simulator:
         return [r for r in rows if not r.get("malicious") and not r.get("newcomer")]
 
     def _mark(self, row: dict) -> dict:
+        if self.data.client_ids is not None:  # a natural partition's own ids (file sources)
+            row["client_id"] = self.data.client_ids[row["client"]]
         if self.malicious:
             row["malicious"] = int(row["client"] in self.malicious)
         if self.ctx.newcomers:

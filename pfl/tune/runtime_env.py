@@ -219,7 +219,7 @@ def worker_runtime_env(cfgs: Iterable, *, ship_data: bool = True, extra_modules:
     if needs.data:
         total = sum(_size(Path(p)) for p in needs.data)
         if not ship_data:
-            notes.append("data sets are read at their paths (a local Ray instance shares this disk)")
+            log.info("data sets are read at their paths (a local Ray instance shares this disk)")
         elif total > limit:
             keys = ", ".join(sorted(set(needs.data.values())))
             notes.append(f"{keys} ({total / 2**20:.0f} MiB) is more than Ray ships through runtime_env "
