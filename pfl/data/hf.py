@@ -89,8 +89,9 @@ def _inspect_cached(key: tuple, stamp: tuple) -> Inspected:
         raise ConfigError("data.params.split", f"{p.name}: expected one split, got {type(ds).__name__} "
                                                f"(set data.params.split)")
     table = ds.data.table if hasattr(ds.data, "table") else ds.data
-    if ds._indices is not None:  # a selected or shuffled view: its rows, in its order
-        table = table.take(ds._indices.column(0))
+    indices = getattr(ds, "_indices", None)
+    if indices is not None:  # a selected or shuffled view: its rows, in its order
+        table = table.take(indices.column(0))
     where = f"{p.name}[{p.split}]" + (f" ({p.data_dir or ', '.join(p.data_files or [])})"
                                       if p.name in LOCAL_BUILDERS else "")
     return inspect_table(table_from_arrow(table, p, where), p)
