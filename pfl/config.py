@@ -291,7 +291,6 @@ def resolve(raw: dict | None) -> ExperimentConfig:
     from .data import resolve_data_config
     from .methods import resolve_method_config
     from .models import resolve_model_config
-
     from .plugins import load_plugins
 
     raw = dict(raw or {})
