@@ -170,7 +170,6 @@ def test_factory_from_a_module_and_its_params_are_checked(code, monkeypatch):
 
 
 def test_modules_without_an_init_rule_are_seeded_by_their_own_reset(code):
-    from pfl.federation.context import derive_seed  # noqa: F401  (the generators below are the run's)
     from pfl.federation.simulator import Simulator
 
     cfg = run_cfg(model__name=f"{code}/my_model.py:Recurrent", federation__rounds=1)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ..schema import ConfigError, hp
 from ..tune.runtime_env import absolute_path, shipped_path
-from .files import FORMATS, Inspected, check_inspected, default_kind, inspect_table, source_data  # noqa: F401
+from .files import Inspected, check_inspected, default_kind, inspect_table, source_data
 from .readers import table_from_arrow
 from .sources import CLASSIFICATION, REGRESSION, SourceSpec, register_source
 

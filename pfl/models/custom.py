@@ -28,7 +28,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import importlib
 import inspect
 import typing
 from typing import Any, Callable, Sequence
