@@ -12,6 +12,7 @@ from .schema import ConfigError, describe
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from . import config as config_mod
+    from . import resolver
     from .runner import format_bytes, run_experiment
     from .tracking import check_store, tracking_uri
 
@@ -25,7 +26,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         from .tune.space import load_scenario
 
         scenario = load_scenario(args.scenario)
-    cfg = config_mod.load(args.config, overrides, scenario, plugins=args.plugin)  # validates before any work
+    cfg = resolver.load(args.config, overrides, scenario, plugins=args.plugin)  # validates everything before any work
     if args.print_config:
         print(cfg.to_yaml())
         return 0

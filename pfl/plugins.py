@@ -29,13 +29,9 @@ import traceback
 from pathlib import Path
 from types import ModuleType
 
+from .paths import absolute_path, is_file_entry, shipped_path
+from .registry import Registry
 from .schema import ConfigError
-from .tune.runtime_env import absolute_path, shipped_path
-
-
-def is_file_entry(entry: str) -> bool:
-    """A plugin (or model) entry naming a file rather than a module."""
-    return entry.endswith(".py") or "/" in entry or os.sep in entry
 
 
 def _first_line(err: BaseException) -> str:
@@ -56,17 +52,16 @@ def module_name_for(path: str | Path, content: bytes) -> str:
     return f"pfl_user_{stem}_{hashlib.sha1(content).hexdigest()[:12]}"
 
 
-def _registries() -> list[dict]:
-    """The registries a plugin may add to (restored when it fails half-way)."""
-    from .data import sources
-    from . import methods, models
-
-    methods.list_methods()  # built-ins first: a plugin then cannot take their names
-    return [methods._REGISTRY, methods._PLUGINS, models._REGISTRY, sources._REGISTRY]
+def _registries() -> list[Registry]:
+    """The registries a plugin may add to (restored when it fails half-way), each filled with its
+    built-ins first, so that a plugin cannot take their names."""
+    for registry in Registry.instances:
+        registry.names()
+    return list(Registry.instances)
 
 
 def _guarded(run, key: str, where: str):
-    before = [dict(r) for r in _registries()]
+    before = [r.snapshot() for r in _registries()]
     try:
         return run()
     except ConfigError:
@@ -85,8 +80,7 @@ def _guarded(run, key: str, where: str):
 
 def _restore(before: list[dict]) -> None:
     for registry, saved in zip(_registries(), before):
-        registry.clear()
-        registry.update(saved)
+        registry.restore(saved)
 
 
 def import_file(path: str, key: str) -> ModuleType:

@@ -77,7 +77,7 @@ def run(args, argv: list[str] | None = None) -> int:
 
     from pfl.tracking import tracking_uri
     from pfl.tune.fpfc_trainable import fpfc_path_trainable, plot_path, stage_metrics
-    from pfl.config import resolve
+    from pfl.resolver import resolve
     from pfl.tune.lambda_path import PATH_METRICS, PathSettings, require_validation
     from pfl.tune.space import base_config, check_space, load_space
     from pfl.tune.sweep import parse_resources, run_sweep

@@ -15,6 +15,8 @@ import pyarrow as pa
 import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 import pytest
+
+from pfl.callbacks.divergence import run_rounds
 import torch
 
 from pfl.config import DataConfig
@@ -201,13 +203,13 @@ def test_cache_serves_the_second_run_and_never_a_stale_partition(arrays, tmp_pat
 
 
 def test_client_metrics_name_each_natural_client_by_its_own_id(arrays, tmp_path):
-    from pfl.config import load
+    from pfl.resolver import load
     from pfl.federation.simulator import Simulator
 
     np.savez(tmp_path / "d.npz", **arrays)
     sim = Simulator(load(None, {"data.source": "files", "data.params.path": str(tmp_path / "d.npz"),
                                 "data.num_clients": 4, "federation.rounds": 1, "tracking.enabled": False}))
-    sim.run()
+    run_rounds(sim)
     assert [r["client_id"] for r in sim.last_client_table] == [str(i) for i in sorted(IDS)[:4]]
 
 

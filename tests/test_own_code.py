@@ -10,6 +10,8 @@ from __future__ import annotations
 import textwrap
 
 import pytest
+
+from pfl.callbacks.divergence import run_rounds
 import torch
 
 from helpers import small_config, straight_and_resumed
@@ -136,7 +138,7 @@ def test_default_head_is_the_last_linear_and_is_in_the_run_params(code):
     assert config_params(cfg)["model.head"] == ["out"]
     sim = Simulator(cfg)
     assert layer_groups(sim.ctx.model).head == ["out.weight", "out.bias"]
-    sim.run()
+    run_rounds(sim)
     assert sim.history[-1]["test/acc_mean"] > 0.2  # it learns on digits in two rounds
 
 
@@ -148,7 +150,7 @@ def test_model_head_is_what_lgfedavg_sends(code, head):
     cfg = run_cfg(model__name=f"{code}/my_model.py:SmallNet", method__name="lgfedavg", federation__rounds=1,
                   federation__clients_per_round=4, **kw)
     sim = Simulator(cfg)
-    sim.run()
+    run_rounds(sim)
     model = sim.ctx.model
     # the head's size from the layers themselves: out (16 -> 10), and fc1 (64 -> 16) with it
     sizes = {"out": 16 * 10 + 10, "fc1": 64 * 16 + 16}
@@ -179,7 +181,7 @@ def test_modules_without_an_init_rule_are_seeded_by_their_own_reset(code):
     assert all(torch.equal(pa[k], pb[k]) for k in pa)                  # reproducible
     assert not torch.equal(pa["lstm.weight_ih_l0"], other["lstm.weight_ih_l0"])  # drawn, not copied
     assert torch.equal(pa["temperature"], torch.ones(1))              # no rule: as built
-    a.run()
+    run_rounds(a)
     assert a.history[-1]["train/loss"] == a.history[-1]["train/loss"]  # finite, ran
 
 
@@ -222,13 +224,13 @@ def test_plugin_method_is_listed_and_runs_like_a_built_in(code, capsys):
     # alpha = 1: the personal model is the global one, so the run is FedAvg's, number for number
     mixed = Simulator(run_cfg(plugins=[str(code / "my_method.py")], method__name="fedavg_mix", method__alpha=1.0))
     plain = Simulator(run_cfg(method__name="fedavg"))
-    mixed.run()
-    plain.run()
+    run_rounds(mixed)
+    run_rounds(plain)
     for key in ("test/acc_mean", "val/acc_mean", "train/loss", "comm/up_bytes"):
         assert mixed.history[-1][key] == plain.history[-1][key], key
     # alpha = 0: each client's own last model, which differs
     local = Simulator(run_cfg(plugins=[str(code / "my_method.py")], method__name="fedavg_mix", method__alpha=0.0))
-    local.run()
+    run_rounds(local)
     assert local.history[-1]["test/acc_mean"] != plain.history[-1]["test/acc_mean"]
 
 
@@ -254,18 +256,18 @@ def test_plugin_method_resumes_compresses_and_batches(code, tmp_path):
         assert (a is None) == (b is None) and (a is None or all(torch.equal(a[k], b[k]) for k in a))
     assert straight.history[-1]["test/acc_mean"] == resumed.history[-1]["test/acc_mean"]
     qsgd = Simulator(run_cfg(plugins=plugin, method__name="fedavg_mix", compression__uplink={"name": "qsgd", "s": 4}))
-    qsgd.run()
+    run_rounds(qsgd)
     dense = Simulator(run_cfg(plugins=plugin, method__name="fedavg_mix"))
-    dense.run()
+    run_rounds(dense)
     assert qsgd.history[-1]["comm/up_bytes"] < dense.history[-1]["comm/up_bytes"] / 4
     batched = Simulator(run_cfg(plugins=plugin, method__name="fedavg_mix", federation__cohort="vectorized"))
-    batched.run()
+    run_rounds(batched)
     assert batched.history[-1]["test/acc_mean"] == pytest.approx(dense.history[-1]["test/acc_mean"], abs=0.02)
 
 
 @pytest.mark.parametrize("body, words", [
     ("from pfl.methods import register\nfrom pfl.methods.fedavg import FedAvg\n\n@register\nclass Again(FedAvg):\n"
-     "    name = 'fedavg'\n", ["method name 'fedavg' registered twice", "new names"]),
+     "    name = 'fedavg'\n", ["method 'fedavg' is already registered", "new names"]),
     ("raise RuntimeError('needs a GPU cluster')\n", ["does not import", "RuntimeError: needs a GPU cluster", "(line 1)"]),
     ("def broken(:\n", ["does not import", "SyntaxError"]),
 ])

@@ -121,7 +121,7 @@ def test_sweep_on_a_local_ray_instance_runs_own_method_and_model(tmp_path):
 
 
 def test_runtime_env_stages_what_a_config_reads(tmp_path, monkeypatch):
-    from pfl.config import load
+    from pfl.resolver import load
     from pfl.tune.runtime_env import ORIGIN_ENV, SHIPPED_ENV, shipped_path, worker_runtime_env
 
     project = _project(tmp_path)

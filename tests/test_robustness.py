@@ -6,15 +6,16 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import small_config, straight_and_resumed
+from helpers import downlink, same, small_config, straight_and_resumed, uplink
 from pfl.aggregation import (RobustAggregation, aggregate, byzantine_count, coordinate_median, krum,
                              krum_scores, trim_count, trimmed_mean)
+from pfl.callbacks.divergence import run_rounds
 from pfl.federation.attacks import Attack, attack_tensors, malicious_clients
 from pfl.federation.messages import LowRank, Message
 from pfl.federation.simulator import Simulator
 from pfl.federation.state import encode
+from pfl.resolver import with_overrides
 from pfl.schema import ConfigError
-from test_engine_core import _same
 
 
 def _attack(kind: str, fraction: float = 0.5, **extra):
@@ -120,10 +121,10 @@ def test_malicious_subset_is_round_m_fraction_drawn_once_from_the_seed():
     ids = malicious_clients(cfg, 10)
     assert len(ids) == 3 and list(ids) == sorted(set(ids))               # round(2.5) = 3 (halves up)
     assert malicious_clients(cfg, 10) == ids
-    assert malicious_clients(cfg.replace({"attack.kind": "sign_flip"}), 10) == ids   # same clients for every attack
-    assert malicious_clients(cfg.replace({"seed": 5}), 10) != ids
-    assert malicious_clients(cfg.replace({"attack.kind": "none"}), 10) == ()
-    assert len(malicious_clients(cfg.replace({"attack.fraction": 0.8}), 100)) == 80
+    assert malicious_clients(with_overrides(cfg, {"attack.kind": "sign_flip"}), 10) == ids  # same for every attack
+    assert malicious_clients(with_overrides(cfg, {"seed": 5}), 10) != ids
+    assert malicious_clients(with_overrides(cfg, {"attack.kind": "none"}), 10) == ()
+    assert len(malicious_clients(with_overrides(cfg, {"attack.fraction": 0.8}), 100)) == 80
 
 
 def test_the_same_clients_are_attacked_in_every_round_and_after_a_resume(tmp_path):
@@ -150,20 +151,20 @@ def test_the_same_clients_are_attacked_in_every_round_and_after_a_resume(tmp_pat
     straight, resumed = straight_and_resumed(cfg, tmp_path)
     assert resumed.malicious == straight.malicious == sim.malicious
     assert [h.get("test/acc_mean") for h in resumed.history] == [h.get("test/acc_mean") for h in straight.history]
-    _same(encode(resumed.model_state()), encode(straight.model_state()))
+    same(encode(resumed.model_state()), encode(straight.model_state()))
 
 
 @pytest.mark.parametrize("name", ["fpfc", "ditto", "ifca"])
 def test_an_attack_never_changes_the_attackers_kept_state(name):
     extra = {"method__k": 2} if name == "ifca" else {}
     cfg = small_config(method__name=name, federation__clients_per_round=0, federation__rounds=1, **extra)
-    attacked_cfg = cfg.replace({"attack.kind": "gaussian", "attack.fraction": 0.4})
+    attacked_cfg = with_overrides(cfg, {"attack.kind": "gaussian", "attack.fraction": 0.4})
     clean, attacked = Simulator(cfg), Simulator(attacked_cfg)
     clean.run_round(evaluate=False)
     attacked.run_round(evaluate=False)
     assert len(attacked.malicious) == 4
     # every client trained from the same message and kept what it trained; the server got noise
-    _same(encode(attacked.client_states), encode(clean.client_states))
+    same(encode(attacked.client_states), encode(clean.client_states))
     if name == "fpfc":
         bad = sorted(attacked.malicious)
         good = [c for c in range(10) if c not in attacked.malicious]
@@ -176,7 +177,7 @@ def test_metrics_under_attack_are_those_of_the_benign_clients(tmp_path):
     cfg = small_config(method__name="fedavg", attack__kind="sign_flip", attack__fraction=0.3,
                        federation__rounds=2)
     sim = Simulator(cfg)
-    sim.run()
+    run_rounds(sim)
     final = sim.history[-1]
     rows = sim.last_client_table
     assert [r["malicious"] for r in rows] == [int(r["client"] in sim.malicious) for r in rows]
@@ -195,7 +196,7 @@ def test_attacked_newcomers_are_left_out_of_the_newcomer_metrics():
     cfg = small_config(method__name="fpfc", attack__kind="gaussian", attack__fraction=0.3, newcomers__fraction=0.3,
                        newcomers__rounds=2, federation__rounds=2)
     sim = Simulator(cfg)
-    sim.run()
+    run_rounds(sim)
     rows = sim.last_client_table
     good_new = [r["test_acc"] for r in rows if r["newcomer"] and not r["malicious"]]
     assert sim.join_result["newcomer/count"] == len(good_new) >= 1
@@ -208,7 +209,7 @@ def test_an_attack_that_blows_up_the_model_is_an_outcome_not_a_failure():
     cfg = small_config(method__name="fedavg", attack__kind="gaussian", attack__fraction=0.5,
                        attack__gaussian_std=1e30, federation__rounds=3)
     sim = Simulator(cfg)
-    sim.run()                                   # no DivergedError
+    run_rounds(sim)                                   # no DivergedError
     assert sim.round == 3 and any(h.get("attack/diverged") == 1.0 for h in sim.history)
     assert 0.0 <= sim.history[-1]["test/acc_mean"] <= 1.0
 
@@ -286,7 +287,7 @@ def test_aggregate_dispatches_and_uses_the_attack_fraction_for_krum():
 @pytest.mark.parametrize("name", ["fedavg", "fedprox", "ditto", "fedadam", "lgfedavg", "fedavg+ala"])
 def test_the_methods_with_a_global_model_average_through_the_rule(name):
     sim = Simulator(small_config(method__name=name, method__aggregator="median"))
-    replies = {c: sim.client_step(0, c, sim.deliver(sim.method.broadcast(0, c), "down", 0, c)) for c in range(5)}
+    replies = {c: uplink(sim, c, downlink(sim, c, 0), 0) for c in range(5)}
     shared = list(replies[0].tensors())
     direct = coordinate_median([r.tensors() for r in replies.values()], shared)
     assert torch.allclose(sim.method.reply_average(replies, shared)[shared[0]], direct[shared[0]])
@@ -301,11 +302,11 @@ def test_robust_rules_keep_fedavg_learning_where_the_mean_collapses():
     # median 26 %, Krum 25 % (the robust rules ignore the outliers but learn slower on non-IID data)
     base = dict(method__name="fedavg", federation__rounds=8, federation__clients_per_round=0)
     clean = Simulator(small_config(**base))
-    clean.run()
+    run_rounds(clean)
     attacked = {}
     for rule in ("mean", "median", "krum"):
         sim = Simulator(small_config(attack__kind="gaussian", attack__fraction=0.2, method__aggregator=rule, **base))
-        sim.run()
+        run_rounds(sim)
         attacked[rule] = sim.history[-1]["test/acc_mean"]
     acc = clean.history[-1]["test/acc_mean"]
     assert attacked["mean"] < acc - 0.3
@@ -324,6 +325,7 @@ def _pipelines():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipelines"))
 
 
+@pytest.mark.slow
 def test_robustness_pipeline_logs_parent_table_plots_and_children(tmp_path):
     _pipelines()
     import robustness
@@ -364,6 +366,7 @@ def test_robustness_pipeline_cli_rejects_bad_input():
                             "--set", "attack.gaussian_std=-1"]) == 2
 
 
+@pytest.mark.slow
 def test_newcomers_pipeline_prints_table_3_beside_the_paper(tmp_path):
     _pipelines()
     import newcomers
@@ -395,7 +398,7 @@ def test_fpfc_combines_its_shared_body_by_the_robust_rule():
     sim = Simulator(cfg)
     sampled = sim.sample(0)
     sim.method.begin_round(0, sampled)
-    replies = {c: sim.client_step(0, c, sim.deliver(sim.method.broadcast(0, c), "down", 0, c)) for c in sampled}
+    replies = {c: uplink(sim, c, downlink(sim, c, 0), 0) for c in sampled}
     sim.method.aggregate(0, replies)
     direct = coordinate_median([r.tensors() for r in replies.values()], sim.method.shared)
     assert sim.method.shared and all(torch.allclose(sim.method.body[k], direct[k]) for k in sim.method.shared)
@@ -430,12 +433,12 @@ def test_krum_breaks_the_tie_of_mutually_nearest_replies_by_position():
 def test_attack_and_newcomer_metrics_are_in_the_sweep_catalog():
     """A sweep may optimise ``newcomer/acc_mean`` or read ``attack/benign_clients``: both are catalogued,
     and only for configs that report them."""
-    from pfl.evaluation import metric_known, reported_metrics
+    from pfl.metric_catalog import metric_known, reported_metrics
 
     cfg = small_config(method__name="fpfc", attack__kind="gaussian", attack__fraction=0.2, newcomers__fraction=0.2,
                        newcomers__rounds=2, federation__rounds=2)
     sim = Simulator(cfg)
-    sim.run()
+    run_rounds(sim)
     logged = {k for row in sim.history for k in row if k not in ("round", "step")} | set(sim.join_result)
     assert {"attack/benign_clients", "newcomer/acc_mean", "newcomer/clusters", "comm/join_up_bytes"} <= logged
     catalog = reported_metrics(cfg)
@@ -454,8 +457,8 @@ def test_attacks_and_robust_rules_act_alike_on_sequential_and_vectorized_cohorts
     seq = Simulator(small_config(federation__cohort="sequential", **kw))
     vec = Simulator(small_config(federation__cohort="vectorized", **kw))
     assert not seq.vectorized and vec.vectorized and seq.malicious == vec.malicious
-    seq.run()
-    vec.run()
+    run_rounds(seq)
+    run_rounds(vec)
     for a, b in zip(seq.history, vec.history):
         for key in ("test/acc_mean", "attack/benign_clients", "comm/up_bytes"):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from helpers import small_config
+from pfl.callbacks.divergence import run_rounds
 from pfl.compression import build, decode_update, encode_update, resolve_spec
 from pfl.federation.simulator import Simulator
 from pfl.methods.diana import adiana_parameters, adiana_step, adiana_x, reply_weights, weighted_sum
@@ -49,10 +50,10 @@ def _uniform(n):
 @pytest.mark.parametrize("alpha", [0.3, 1.0])
 def test_diana_with_the_identity_compressor_is_fedavg(alpha):
     fedavg = Simulator(small_config(federation__rounds=3))
-    fedavg.run()
+    run_rounds(fedavg)
     diana = Simulator(small_config(method__name="diana", method__alpha=alpha, federation__rounds=3,
                                    compression__uplink__name="identity"))
-    diana.run()
+    run_rounds(diana)
     # Δ̂ = h + (Δ − h) and x + mean Δ̂ vs mean(x + Δ): FedAvg up to float rounding
     assert _models_equal(diana.method.global_model, fedavg.method.global_model, atol=1e-5)
     assert diana.history[-1]["comm/up_bytes"] == fedavg.history[-1]["comm/up_bytes"]
@@ -79,13 +80,13 @@ def test_diana_shift_contracts_the_error_by_the_theory_rate():
 def test_diana_server_shifts_match_the_clients():
     partial = Simulator(small_config(method__name="diana", federation__rounds=5, compression__uplink__name="qsgd",
                                      compression__uplink__s=1))
-    partial.run()
+    run_rounds(partial)
     assert partial.method.per_client and partial.method.h
     for cid, h in partial.method.h.items():
         assert _models_equal(h, partial.client_states[cid]["h"])          # bit for bit
     full = Simulator(small_config(method__name="diana", federation__rounds=5, federation__clients_per_round=0,
                                   compression__uplink__name="qsgd", compression__uplink__s=1))
-    full.run()
+    run_rounds(full)
     n = {c: float(full.client(c).n_train) for c in range(full.num_clients)}
     weights = {c: v / sum(n.values()) for c, v in n.items()}
     mean_h = weighted_sum({c: full.client_states[c]["h"] for c in n}, weights)
@@ -182,7 +183,7 @@ def test_adiana_uploads_two_compressed_messages():
     cfg = small_config(method__name="adiana", federation__rounds=2, federation__clients_per_round=0,
                        compression__uplink__name="qsgd", compression__uplink__s=3)
     sim = Simulator(cfg)
-    sim.run()
+    run_rounds(sim)
     c = build(cfg.compression.uplink)
     one = sum(4 * t.numel() if t.numel() < 256 else math.ceil(c.bits(t.numel()) / 8)
               for t in sim.method.y.values())
@@ -201,14 +202,14 @@ def test_marina_with_p_1_is_distributed_gradient_descent():
         if g is not None:
             x = {k: x[k] - sim.ctx.lr(rnd) * g[k] for k in x}
         g = weighted_sum(_client_gradients(sim, x), _uniform(sim.num_clients))
-    sim.run()
+    run_rounds(sim)
     assert _models_equal(sim.method.x, x, atol=1e-7) and _models_equal(sim.method.g, g, atol=1e-7)
 
 
 def test_marina_with_the_identity_tracks_the_full_gradient():
     sim = Simulator(small_config(method__name="marina", method__p=0.3, federation__rounds=6, federation__batch_size=0,
                                  federation__clients_per_round=0, compression__uplink__name="identity"))
-    sim.run()
+    run_rounds(sim)
     assert sim.method.full_rounds < 6                                      # some compressed rounds ran
     full = weighted_sum(_client_gradients(sim, sim.method.x), _uniform(sim.num_clients))
     assert _models_equal(sim.method.g, full, atol=1e-6)
@@ -240,7 +241,7 @@ def test_marina_uplink_bits_follow_the_coins():
     cfg = small_config(method__name="marina", method__p=0.5, federation__rounds=6, federation__clients_per_round=0,
                        compression__uplink__name="randk", compression__uplink__ratio=0.05)
     sim = Simulator(cfg)
-    sim.run()
+    run_rounds(sim)
     c = build(cfg.compression.uplink)
     shapes = [t.numel() for t in sim.method.x.values()]
     dense = sum(4 * d for d in shapes)
@@ -267,10 +268,10 @@ def test_marina_default_p_equalises_traffic():
 @pytest.mark.parametrize("per_round", [5, 0])
 def test_lag_with_xi_0_is_fedavg_bit_for_bit(per_round):
     fedavg = Simulator(small_config(federation__rounds=3, federation__clients_per_round=per_round))
-    fedavg.run()
+    run_rounds(fedavg)
     lag = Simulator(small_config(method__name="lag", method__xi=0.0, federation__rounds=3,
                                  federation__clients_per_round=per_round))
-    lag.run()
+    run_rounds(lag)
     assert _models_equal(lag.method.global_model, fedavg.method.global_model)
     assert lag.method.skips == 0
 
@@ -349,7 +350,7 @@ def test_fedpd_skipped_round_is_a_proximal_step():
 def test_fedpd_one_shared_coin_and_no_bytes_on_skipped_rounds():
     sim = Simulator(small_config(method__name="fedpd", method__p=0.5, federation__rounds=8,
                                  federation__clients_per_round=0))
-    sim.run()
+    run_rounds(sim)
     coins = [sim.method.communicates(r) for r in range(8)]
     assert any(coins) and not all(coins)
     ups = [up for up, _ in sim.ledger.per_round]
@@ -418,7 +419,7 @@ def test_fedsplit_sgd_prox_matches_the_exact_prox():
 
 def test_fedsplit_client_state_persists():
     sim = Simulator(small_config(method__name="fedsplit", federation__rounds=1, federation__clients_per_round=0))
-    sim.run()
+    run_rounds(sim)
     z0 = sim.client_states[0]["z"]
     assert not _models_equal(z0, sim.method.xbar, atol=1e-6)
     assert _models_equal(sim.method.xbar, {k: sum(s["z"][k] for s in sim.client_states) / sim.num_clients
@@ -464,7 +465,7 @@ def test_l2gd_with_lambda_0_is_local_sgd_bit_for_bit():
     cfg = small_config(method__name="l2gd", method__lam=0.0, method__p=0.3, federation__rounds=3,
                        federation__clients_per_round=0)
     sim = Simulator(cfg)
-    sim.run()
+    run_rounds(sim)
     for cid in (0, 3):
         client = sim.client(cid)
         x = {k: v.clone() for k, v in sim.method.init.items()}
@@ -528,7 +529,7 @@ def test_l2gd_communicates_once_per_local_run():
 def test_l2gd_round_bytes_and_personal_models():
     sim = Simulator(small_config(method__name="l2gd", method__lam=0.5, method__p=0.3, federation__rounds=3,
                                  federation__clients_per_round=0))
-    sim.run()
+    run_rounds(sim)
     d_bytes = sum(4 * t.numel() for t in sim.method.xbar.values())
     assert sim.ledger.per_round == [(10 * d_bytes, 0)] + [(10 * d_bytes, 10 * d_bytes)] * 2
     personal = sim.personal_models([2])[2]

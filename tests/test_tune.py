@@ -90,7 +90,7 @@ def test_tune_fpfc_presets_apply_and_validate():
     sys.path.insert(0, str(ROOT / "pipelines"))
     from tune_fpfc import apply_preset
 
-    from pfl.config import resolve
+    from pfl.resolver import resolve
     from pfl.schema import from_dict
     from pfl.tune.lambda_path import PathSettings
 
@@ -121,6 +121,7 @@ def test_resources_parse_and_reject():
 
 # ---- sweeps on the session's Ray head ----------------------------------------------------------
 
+@pytest.mark.slow
 def test_smoke_sweep_on_cluster_logs_parent_children_and_table(ray_cluster, tmp_path):
     env, db = _store(tmp_path)
     env["RAY_ADDRESS"] = ray_cluster.address
@@ -148,6 +149,7 @@ def test_smoke_sweep_on_cluster_logs_parent_children_and_table(ray_cluster, tmp_
     assert "Trial status" not in out and "[" in out and "fedavg lr=" in out
 
 
+@pytest.mark.slow
 def test_diverging_trial_fails_alone(ray_cluster, tmp_path):
     env, db = _store(tmp_path)
     env["RAY_ADDRESS"] = ray_cluster.address
@@ -168,6 +170,7 @@ def test_diverging_trial_fails_alone(ray_cluster, tmp_path):
     assert "failed: fedavg lr=1e+12: round 1: training loss is nan" in out
 
 
+@pytest.mark.slow
 def test_sweep_whose_trials_all_fail_exits_nonzero_with_each_reason(ray_cluster, tmp_path):
     env, db = _store(tmp_path)
     env["RAY_ADDRESS"] = ray_cluster.address
@@ -187,6 +190,7 @@ def test_sweep_whose_trials_all_fail_exits_nonzero_with_each_reason(ray_cluster,
     assert parents[0].info.status == "FAILED"
 
 
+@pytest.mark.slow
 def test_bad_metric_name_exits_2_before_ray_starts(tmp_path):
     env, db = _store(tmp_path)
     space = _write(tmp_path, {"base": {"data.source": "digits"}, "fixed": {"method.name": "fedavg"},
@@ -200,6 +204,7 @@ def test_bad_metric_name_exits_2_before_ray_starts(tmp_path):
     assert time.time() - started < 60
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("address, words", [("127.0.0.1:1", ["no Ray cluster answers", "127.0.0.1:1"]),
                                             ("ray://127.0.0.1:10001", ["Ray Client", "RAY_ADDRESS"])])
 def test_unreachable_or_ray_client_address_fails_fast_and_clearly(tmp_path, address, words):
@@ -212,6 +217,7 @@ def test_unreachable_or_ray_client_address_fails_fast_and_clearly(tmp_path, addr
     assert time.time() - started < 30 + 15  # the address check, plus loading the smoke data
 
 
+@pytest.mark.slow
 def test_driver_without_token_mode_connects_with_the_token_it_finds(ray_cluster, tmp_path):
     env, db = _store(tmp_path)
     env["RAY_ADDRESS"] = ray_cluster.address
@@ -241,6 +247,7 @@ def _wait_for_children(proc, db, uri, finished_at_least=1, started_at_least=2, t
     raise AssertionError(f"no trial run appeared in MLflow within {timeout} s")
 
 
+@pytest.mark.slow
 def test_interrupted_sweep_resumes_without_losing_or_duplicating_runs(ray_cluster, tmp_path):
     env, db = _store(tmp_path)
     env["RAY_ADDRESS"] = ray_cluster.address
@@ -286,6 +293,7 @@ def test_interrupted_sweep_resumes_without_losing_or_duplicating_runs(ray_cluste
         assert sorted(steps) == list(range(1, 31)), sorted(steps)
 
 
+@pytest.mark.slow
 def test_sigterm_stops_a_sweep_like_ctrl_c(ray_cluster, tmp_path):
     env, db = _store(tmp_path)
     env["RAY_ADDRESS"] = ray_cluster.address
@@ -306,6 +314,7 @@ def test_sigterm_stops_a_sweep_like_ctrl_c(ray_cluster, tmp_path):
     assert all(c.info.status in ("FINISHED", "KILLED") for c in children)
 
 
+@pytest.mark.slow
 def test_tune_fpfc_smoke_logs_path_table_and_best_lambda(ray_cluster, tmp_path):
     import re
 

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from ..schema import ConfigError, hp
-from ..tune.runtime_env import absolute_path, shipped_path
+from ..paths import absolute_path, shipped_path
 from .readers import Table, read_client_folder, read_csv, read_leaf, read_npz, read_parquet
 from .sources import CLASSIFICATION, REGRESSION, SourceData, SourceSpec, register_source
 from .tables import PATH_KEY, group_ids, labels_of, rows_by_group

@@ -15,7 +15,7 @@ import functools
 from dataclasses import dataclass
 
 from ..schema import ConfigError, hp
-from ..tune.runtime_env import absolute_path, shipped_path
+from ..paths import absolute_path, shipped_path
 from .files import Inspected, check_inspected, default_kind, inspect_table, source_data
 from .readers import table_from_arrow
 from .sources import CLASSIFICATION, REGRESSION, SourceSpec, register_source

@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..schema import ConfigError
-from .tables import PATH_KEY, FeaturePlan, check_finite, features_of, plan_features, require_column
+from .tables import PATH_KEY, FeaturePlan, check_finite, features_of, plan_features, require_column, sorted_ids
 
 #: rows per chunk when features are read lazily (a few tens of MB of features per chunk)
 CHUNK_ROWS = 65536
@@ -214,13 +214,6 @@ def read_csv(path: Path, params) -> Table:
 
 
 # ---- per-client folders -------------------------------------------------------------------------
-
-def sorted_ids(ids: list[str]) -> list[str]:
-    """Ids in pfl's client order: numerically when every id is an integer, else as text."""
-    if ids and all(i.lstrip("-").isdigit() for i in ids):
-        return sorted(ids, key=int)
-    return sorted(ids)
-
 
 def read_client_folder(folder: Path, files: list[Path], params) -> Table:
     """Each file is one client (its id the file name's stem); rows in sorted-id order."""

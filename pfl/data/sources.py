@@ -17,7 +17,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..schema import ConfigError, from_dict, hp
+from ..registry import Registry
+from ..schema import from_dict, hp
 from . import images
 from .synthetic import FPFCLinearParams, FPFCSyntheticParams, generate_fpfc_linear, generate_fpfc_synthetic
 
@@ -88,33 +89,23 @@ class SourceSpec:
         return self.load_fn(self.parse(params), num_clients)
 
 
-_REGISTRY: dict[str, SourceSpec] = {}
+SOURCES: Registry[SourceSpec] = Registry("data source", "data.source")
 
 
 def register_source(spec: SourceSpec) -> SourceSpec:
-    if spec.name in _REGISTRY:
-        raise ValueError(f"data source {spec.name!r} is already registered")
-    _REGISTRY[spec.name] = spec
-    return spec
+    return SOURCES.register(spec.name, spec)
 
 
 def source_names() -> list[str]:
-    return list(_REGISTRY)
+    return SOURCES.names()
 
 
 def list_sources() -> list[SourceSpec]:
-    return list(_REGISTRY.values())
+    return SOURCES.values()
 
 
 def source_spec(name: str) -> SourceSpec:
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        import difflib
-        close = difflib.get_close_matches(str(name), list(_REGISTRY), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError("data.source", f"unknown data source {name!r}{hint}; allowed: "
-                                         f"{', '.join(_REGISTRY)}") from None
+    return SOURCES.get(name)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -244,7 +244,6 @@ def group_ids(values: pa.Array | pa.ChunkedArray, column: str, where: str, key: 
     if _is_number(values.type):
         distinct = distinct.take(pc.array_sort_indices(distinct))
     else:  # text ids: numerically when every id is an integer ('2' before '10'), as a folder's names
-        from .readers import sorted_ids
 
         distinct = pa.array(sorted_ids(distinct.to_pylist()), type=values.type)
     index = pc.index_in(values, value_set=distinct).to_numpy(zero_copy_only=False).astype(np.int64)
@@ -257,5 +256,13 @@ def rows_by_group(index: np.ndarray, groups: int) -> list[np.ndarray]:
     return np.split(order, np.cumsum(np.bincount(index, minlength=groups))[:-1])
 
 
+def sorted_ids(ids: list[str]) -> list[str]:
+    """Ids in pfl's client order: numerically when every id is an integer, else as text."""
+    if ids and all(i.lstrip("-").isdigit() for i in ids):
+        return sorted(ids, key=int)
+    return sorted(ids)
+
+
+
 __all__ = ["FeaturePlan", "check_finite", "features_of", "group_ids", "labels_of", "plan_features",
-           "require_column", "rows_by_group"]
+           "require_column", "rows_by_group", "sorted_ids"]

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from ..schema import ConfigError
+from .spec import ModelSpec
 
 KEY = "model.name"
 _SIMPLE = (int, float, str, bool, list, dict, list[int], list[float], list[str], tuple[int, ...])
@@ -48,7 +49,7 @@ def is_custom(name: str) -> bool:
 def _target(name: str) -> tuple[Callable, str]:
     """The class or factory ``name`` points to, and a short description of where it is."""
     from ..plugins import import_file, import_module, is_file_entry
-    from ..tune.runtime_env import absolute_path
+    from ..paths import absolute_path
 
     where, _, attr = name.rpartition(":")
     if not where or not attr:
@@ -136,7 +137,6 @@ def build(name: str, params: Any, input_shape: Sequence[int], num_classes: int) 
 
 def model_spec_for(name: str):
     """A :class:`pfl.models.ModelSpec` for your model (what ``pfl.models.model_spec`` returns for it)."""
-    from . import ModelSpec
 
     return ModelSpec(name, f"your model {name}", params_class(name), functools.partial(build, name),
                      "whatever it accepts")
@@ -225,18 +225,9 @@ def prepare_model(model: nn.Module, cfg, data) -> nn.Module:
     return model
 
 
-def check_model_on(cfg, data) -> None:
-    """Build the run's model and check it on ``data`` (a sweep does this before Ray starts)."""
-    from . import build_model
-
-    model = build_model(cfg.model.name, cfg.model.params, data.input_shape, data.num_classes)
-    prepare_model(model, cfg, data)
-
-
-def resolve_head(cfg, input_shape: Sequence[int], num_classes: int) -> None:
+def resolve_head(cfg, input_shape: Sequence[int], num_classes: int, build_model: Callable[..., nn.Module]) -> None:
     """Check your model's layers and fill ``cfg.model.head`` with its default head (the model is
-    built on the meta device: no memory, no initialisation)."""
-    from . import build_model
+    built with ``build_model`` on the meta device: no memory, no initialisation)."""
 
     if not is_custom(cfg.model.name):
         return
@@ -261,5 +252,5 @@ def _prefixes(model: nn.Module, names: list[str]) -> list[str]:
     return list(names)
 
 
-__all__ = ["build", "check_buffers", "check_forward", "check_model_on", "default_head", "is_custom", "model_spec_for",
+__all__ = ["build", "check_buffers", "check_forward", "default_head", "is_custom", "model_spec_for",
            "params_class", "prepare_model", "resolve_head", "set_head"]

@@ -43,50 +43,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from ..paths import ORIGIN_ENV, SHIPPED_ENV, absolute_path, is_file_entry, shipped_path
+from ..schema import ConfigError
+
 log = logging.getLogger(__name__)
 
-SHIPPED_ENV = "PFL_SHIPPED"
-ORIGIN_ENV = "PFL_ORIGIN_CWD"
 #: Ray refuses packages of 512 MiB (zipped); data above this stays where it is
 SHIP_LIMIT = 400 * 2**20
 EXCLUDES = ["__pycache__", "*.pyc"]
-
-
-def absolute_path(path: str | os.PathLike) -> str:
-    """``path`` made absolute against the directory the run was started from (on a Ray worker:
-    the driver's, from ``PFL_ORIGIN_CWD``)."""
-    text = os.path.expanduser(str(path))
-    if os.path.isabs(text):
-        return os.path.normpath(text)
-    return os.path.normpath(os.path.join(os.environ.get(ORIGIN_ENV) or os.getcwd(), text))
-
-
-_MAP: dict[str, str] | None = None
-
-
-def _shipped() -> dict[str, str]:
-    global _MAP
-    text = os.environ.get(SHIPPED_ENV, "")
-    if _MAP is None or _MAP.get("\0source") != text:
-        _MAP = {"\0source": text, **(json.loads(text) if text else {})}
-    return _MAP
-
-
-def shipped_path(path: str | os.PathLike) -> Path:
-    """Where this process reads ``path``: the copy Ray unpacked on this node when the driver
-    shipped it (:func:`worker_runtime_env`), else the path itself (made absolute)."""
-    key = absolute_path(path)
-    mapping = _shipped()
-    for origin, target in mapping.items():
-        if origin.startswith("\0") or not (key == origin or key.startswith(origin.rstrip(os.sep) + os.sep)):
-            continue
-        package, _, inner = target.partition("/")
-        spec = importlib.util.find_spec(package)
-        if spec is None or not spec.submodule_search_locations:
-            continue  # not on this node's path: not a worker of the shipping job
-        base = Path(list(spec.submodule_search_locations)[0]) / inner
-        return base / os.path.relpath(key, origin) if key != origin else base
-    return Path(key)
 
 
 # ---- what a config reads ----------------------------------------------------------------------
@@ -127,7 +91,6 @@ def _module_location(name: str) -> str | None:
 
 def needs_of(cfg) -> WorkerNeeds:
     """The local files and packages one resolved :class:`~pfl.config.ExperimentConfig` reads."""
-    from ..plugins import is_file_entry
 
     needs = WorkerNeeds()
     for i, entry in enumerate(getattr(cfg, "plugins", []) or []):
@@ -207,7 +170,6 @@ def worker_runtime_env(cfgs: Iterable, *, ship_data: bool = True, extra_modules:
     """The ``runtime_env`` that gives Ray workers what the runs ``cfgs`` read (see the module
     docstring). ``ship_data=False`` (a local Ray instance shares this machine's disk) ships code
     only. Staged folders live until this process exits."""
-    from ..schema import ConfigError
 
     needs = WorkerNeeds()
     for cfg in cfgs:
