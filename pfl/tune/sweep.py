@@ -31,12 +31,14 @@ from typing import Any, Callable
 import pandas as pd
 
 from ..data import load_federated
+from ..models import check_model_on
 from ..resolver import resolve
 from ..schema import ConfigError, flatten
 from ..tracking import Tracker, check_store, export_environment, tracking_uri
 from ..tracking_store import TrackingStoreError, store_lost
 from .progress import ProgressLines, trial_label
 from .ray_session import init_ray
+from .runtime_env import worker_runtime_env
 from .results import (MlflowStatusCallback, SweepResult, expected_trials, kill_unfinished_children, log_table,
                       results_table, saved_trials)
 from .space import SearchSpace, base_config, check_space
@@ -110,7 +112,11 @@ def run_sweep(space: SearchSpace, *, overrides: list[str] | None = None, smoke: 
     base_cfg = resolve(raw)
     if base_cfg.tracking.enabled:
         check_store()
-    load_federated(base_cfg.data, base_cfg.seed)  # unreadable data fails here; the partition is cached
+    data = load_federated(base_cfg.data, base_cfg.seed)  # unreadable data fails here; the partition is cached
+    check_model_on(base_cfg, data)  # your model's buffers, output shape and head, on one batch
+    del data
+    on_cluster = bool(address or os.environ.get("RAY_ADDRESS"))
+    shipped = worker_runtime_env([base_cfg], ship_data=on_cluster)  # plugin files, model files, data sets
     res = {"cpu": space.resources.cpu, "gpu": space.resources.gpu}
     res.update(resources or {})
     samples = num_samples or (space.smoke_samples if smoke else space.num_samples)
@@ -126,9 +132,11 @@ def run_sweep(space: SearchSpace, *, overrides: list[str] | None = None, smoke: 
         config = getattr(config_or_trial, "config", config_or_trial) or {}
         return trial_label({k: config[k] for k in searched if k in config}, prefix)
 
-    where = init_ray(address)
+    where = init_ray(address, runtime_env=shipped.runtime_env)
     if progress:
         progress(f"Ray: {where}; experiment {exp_path}")
+        for note in shipped.notes:
+            progress(f"note: {note}")
 
     def bind(setup: dict[str, Any]):
         fn = tune.with_parameters(trainable or federated_trainable, setup=setup)
