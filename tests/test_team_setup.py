@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from services import Team, clean_env, free_port, listing, netns_processes, pg_bindir
+from services import Team, clean_env, free_port, listing, netns_processes, pg_bindir, processes_of
 from pfl.tracking_store import (AUTH_VARIABLES, location_warning, redact, run_url, store_kind, view_hint,
                                 worker_environment)
 
@@ -228,7 +228,6 @@ def test_an_experiment_with_local_artifacts_on_a_server_is_named_once(team, tmp_
 @pytest.fixture(scope="module")
 def two_nodes(team):
     """A Ray head and a second node (`ray start --address`), one CPU each, with a private token."""
-    from test_tune import _processes_of  # this cluster's processes only (never `ray stop`)
 
     temp = Path(tempfile.mkdtemp(prefix="pflteam", dir="/tmp"))  # short: Ray's socket paths live below it
     token = temp / "auth_token"
@@ -250,7 +249,7 @@ def two_nodes(team):
         yield f"127.0.0.1:{port}", {k: v for k, v in env.items() if k.startswith("RAY_AUTH")}
     finally:  # a test cluster holds nothing worth a graceful stop
         for _ in range(20):
-            pids = _processes_of(str(temp), None)
+            pids = processes_of(str(temp), None)
             if not pids:
                 break
             for pid in pids:
