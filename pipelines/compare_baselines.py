@@ -68,7 +68,8 @@ def parse_method_sets(items: list[str]) -> dict[str, dict[str, object]]:
 def build_configs(methods: list[str], scenario: str, quick: bool, overrides: list[str],
                   method_sets: dict[str, dict[str, object]], track: bool) -> dict:
     """One validated config per method (all errors before any training)."""
-    from pfl.config import apply_overrides, resolve
+    from pfl.config import apply_overrides
+    from pfl.resolver import resolve
     from pfl.tune.space import load_scenario
 
     raw = apply_overrides({}, load_scenario(scenario))

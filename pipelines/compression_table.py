@@ -98,7 +98,8 @@ def select(all_entries, only: list[str] | None):
 
 def build_configs(chosen, quick: bool, overrides: list[str], track: bool) -> dict:
     """One validated config per entry (every error before any training)."""
-    from pfl.config import apply_overrides, resolve
+    from pfl.config import apply_overrides
+    from pfl.resolver import resolve
     from pfl.tune.space import load_scenario
 
     configs = {}

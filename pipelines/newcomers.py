@@ -92,7 +92,8 @@ def format_table(rows: list[dict]) -> str:
 def run(scenarios: list[str], methods: list[str], preset_name: str = "quick", rounds: int | None = None,
         join_rounds: int | None = None, fraction: float = 0.2, overrides: list[str] | None = None,
         track: bool = True, experiment: str | None = None, out: str | Path | None = None, progress=print) -> dict:
-    from pfl.config import apply_overrides, resolve
+    from pfl.config import apply_overrides
+    from pfl.resolver import resolve
     from pfl.data import load_federated
     from pfl.runner import TableRun
     from robustness import common_config, entry_overrides

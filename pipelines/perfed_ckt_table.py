@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pfl.config import load  # noqa: E402
+from pfl.resolver import load, with_overrides  # noqa: E402
 from pfl.data import load_federated  # noqa: E402
 from pfl.runner import TableRun, format_bytes  # noqa: E402
 from pfl.schema import ConfigError  # noqa: E402
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             raw = scenario_base(args, scenario) | method
             cfg = load(None, raw)
-            cfg = cfg.replace(args.set) if args.set else cfg
+            cfg = with_overrides(cfg, args.set) if args.set else cfg
             if scenario not in data_cache:
                 data_cache[scenario] = load_federated(cfg.data, cfg.seed)
             t0 = time.perf_counter()

@@ -170,7 +170,8 @@ def entry_overrides(entry: str, scenario: str, preset: dict) -> dict:
 def common_config(scenario: str, preset_name: str, rounds: int | None, overrides: list[str], track: bool,
                   experiment: str | None, extra: dict | None = None) -> tuple[dict, dict]:
     """(the scenario's resolved raw config for every entry, the preset) — validated."""
-    from pfl.config import apply_overrides, load
+    from pfl.config import apply_overrides
+    from pfl.resolver import load
 
     preset = dict(SCENARIOS[scenario]["presets"][preset_name])
     if rounds is not None:
@@ -273,7 +274,8 @@ def run(scenarios: list[str], methods: list[str], attacks: list[str], fractions:
         progress=print, scope: str | None = None) -> dict:
     import tempfile
 
-    from pfl.config import apply_overrides, resolve
+    from pfl.config import apply_overrides
+    from pfl.resolver import resolve
     from pfl.data import load_federated
     from pfl.runner import TableRun
 

@@ -91,7 +91,8 @@ def with_search(space, fixed: dict, search: dict):
 
 
 def run(args, argv: list[str] | None = None) -> int:
-    from pfl.config import resolve
+    from pfl.resolver import resolve
+    from pfl.tracking import check_store
     from pfl.tune.lambda_path import PATH_METRICS, PathSettings, require_validation
     from pfl.tune.space import base_config, check_space, load_space
     from pfl.tune.sweep import parse_resources
@@ -112,6 +113,8 @@ def run(args, argv: list[str] | None = None) -> int:
     args.argv = argv
     seeds = [cfg.seed + i for i in range(args.seeds)]
     ctx = Context(args, space, settings, seeds, name, parse_resources(args.resources))
+    if cfg.tracking.enabled:
+        check_store()  # an unreachable store fails here, before the pipeline's run or Ray
     started = time.perf_counter()
     ctx.top = pipeline_run(name, args, preset, settings)
     code = ctx.warmup() if args.strategy in ("warmup", "both") else 0
@@ -231,7 +234,7 @@ def finish(ctx, wall: float) -> int:
 
     import pandas as pd
 
-    from pfl.tracking import tracking_uri
+    from pfl.tracking import run_hint
     from pfl.tune.path_compare import markdown, per_lambda, separate_per_seed, strategy_row, verdict
     from pfl.tune.path_report import plot_path, stage_metrics
 
@@ -280,8 +283,7 @@ def finish(ctx, wall: float) -> int:
     top.set_tags({"pfl.status": "finished"})
     top.end("FINISHED")
     print("\n" + text)
-    print(f"\npipeline wall time {wall:.0f} s; MLflow pipeline run {top.run_id}; "
-          f"view: mlflow ui --backend-store-uri {tracking_uri()}")
+    print(f"\npipeline wall time {wall:.0f} s; " + run_hint(top.run_id, what="MLflow pipeline run"))
     return 0
 
 
@@ -353,6 +355,8 @@ def stopped(strategy: str, result, space, top, argv) -> int:
 
     print(f"\n== {strategy} strategy did not finish ==")
     code = print_outcome(result, space, argv)
+    if result.reason:  # the tracking store is gone: --resume closes the pipeline's run
+        return code
     top.set_tags({"pfl.status": result.status.lower()})
     top.end("KILLED" if result.status == "INTERRUPTED" else "FAILED")
     return code

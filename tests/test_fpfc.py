@@ -6,26 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import small_config, straight_and_resumed
-from pfl.config import load
-from pfl.federation.async_clock import AsyncSimulator, DelayModel, samples_per_update
+from helpers import small_config, straight_and_resumed, synthetic_config
+from pfl.callbacks.divergence import run_rounds
+from pfl.federation.async_clock import AsyncSimulator
+from pfl.federation.clock import DelayModel, samples_per_update
 from pfl.federation.simulator import Simulator
 from pfl.methods.fpfc import pair_update, zeta
 from pfl.prox import group_soft_threshold, scad_prox
+from pfl.resolver import with_overrides
 from pfl.schema import ConfigError
-
-
-def synthetic_config(**overrides):
-    """A small S1-like federation: clustered softmax regression, full-batch GD, 80/20 split."""
-    base = {
-        "data.source": "fpfc_synthetic", "data.num_clients": 20, "data.val_fraction": 0.0,
-        "data.test_fraction": 0.2, "data.params.size_scale": 0.1, "method.name": "fpfc",
-        "federation.rounds": 3, "federation.clients_per_round": 6, "federation.batch_size": 0,
-        "federation.local_steps": 10, "federation.lr": 0.1, "federation.eval_every": 1000,
-        "tracking.enabled": False, "seed": 1,
-    }
-    base.update({k.replace("__", "."): v for k, v in overrides.items()})
-    return load(None, base)
 
 
 # ---- server math ------------------------------------------------------------------------------
@@ -119,7 +108,7 @@ def test_zeta_equals_direct_formula():
 
 def test_communication_is_one_model_each_way_per_sampled_device():
     sim = Simulator(synthetic_config(federation__rounds=2))
-    sim.run()
+    run_rounds(sim)
     p = 60 * 10 + 10
     assert sim.method.theta.shape == (20, 20, p)
     for up, down in sim.ledger.per_round:
@@ -128,7 +117,7 @@ def test_communication_is_one_model_each_way_per_sampled_device():
 
 def test_server_state_antisymmetric_and_untouched_rows_after_a_round():
     sim = Simulator(synthetic_config(federation__rounds=1))
-    sim.run()
+    run_rounds(sim)
     method = sim.method
     sampled = set(sim.sample(0))
     assert torch.equal(method.theta, -method.theta.transpose(0, 1))
@@ -143,13 +132,14 @@ def test_server_state_antisymmetric_and_untouched_rows_after_a_round():
         assert torch.equal(method.W[cid], own)
 
 
+@pytest.mark.slow
 def test_fpfc_finds_the_true_clusters_and_beats_fedavg():
     # 20 devices of S1's generator at 30 % of the sizes: 4 clusters from round ~100 on (FedAvg ~39 %)
     cfg = synthetic_config(**{"data.num_clients": 20, "data.params.size_scale": 0.3,
                               "federation.rounds": 150, "federation.clients_per_round": 10,
                               "federation.eval_every": 150, "method.lam": 0.8})
     sim = Simulator(cfg)
-    sim.run()
+    run_rounds(sim)
     final = sim.history[-1]
     assert final["cluster/num"] == 4
     assert final["cluster/ari"] >= 0.95
@@ -161,8 +151,8 @@ def test_fpfc_finds_the_true_clusters_and_beats_fedavg():
     chosen = sim.method.extra_metrics(sim.round)
     assert chosen["fpfc/nu"] == sim.method.readout_nu() != 0.1
     assert chosen["cluster/num"] == len(np.unique(sim.method.clusters(chosen["fpfc/nu"]))) >= 2
-    fedavg = Simulator(cfg.replace({"method.name": "fedavg"}))
-    fedavg.run()
+    fedavg = Simulator(with_overrides(cfg, {"method.name": "fedavg"}))
+    run_rounds(fedavg)
     assert final["test/acc_mean"] > fedavg.history[-1]["test/acc_mean"] + 0.1
     assert final["fpfc/readout_acc"] > fedavg.history[-1]["test/acc_mean"] + 0.1
 
@@ -170,13 +160,13 @@ def test_fpfc_finds_the_true_clusters_and_beats_fedavg():
 def test_fpfc_l1_runs_and_is_the_l1_configuration():
     sim = Simulator(synthetic_config(method__name="fpfc_l1", federation__rounds=4, federation__eval_every=2))
     assert sim.method.hp.penalty == "l1" and sim.method.hp.lam == 0.2 and sim.method.hp.nu == 4.0
-    sim.run()
+    run_rounds(sim)
     last = sim.history[-1]
     assert np.isfinite(last["test/acc_mean"]) and last["cluster/num"] >= 1
     # the same thing spelled as fpfc with penalty=l1 gives the identical run
     same = Simulator(synthetic_config(method__penalty="l1", method__lam=0.2, method__nu=4.0,
                                       federation__rounds=4, federation__eval_every=2))
-    same.run()
+    run_rounds(same)
     assert torch.equal(same.method.theta, sim.method.theta)
 
 
@@ -191,11 +181,11 @@ def test_resume_continues_identically(tmp_path):
 
 def test_lambda_can_be_changed_between_rounds():
     sim = Simulator(synthetic_config(federation__rounds=4, federation__eval_every=1))
-    sim.run(until=2)
+    run_rounds(sim, until=2)
     sim.method.hp = dataclasses.replace(sim.method.hp, lam=0.3)
     delta = torch.tensor([[0.5, 0.0]])   # linear region for λ = 0.3 (1 − λ/r); λ = 0.8 would shrink it to ~0
     torch.testing.assert_close(sim.method.prox()(delta), torch.tensor([[0.2, 0.0]]))
-    sim.run()
+    run_rounds(sim)
     assert sim.history[-1]["fpfc/lambda"] == 0.3 and sim.history[1]["fpfc/lambda"] == 0.8
 
 
@@ -225,7 +215,7 @@ def test_shared_body_clusters_only_the_head(stale):
     cfg = small_config(method__name="fpfc", method__shared_layers="body", method__stale_body=stale,
                        model__name="mlp", federation__rounds=3, federation__eval_every=3)
     sim = Simulator(cfg)
-    sim.run()
+    run_rounds(sim)
     method = sim.method
     head = sum(method.template[k].numel() for k in method.clustered)
     body = sum(t.numel() for t in method.body.values())
@@ -244,7 +234,7 @@ def test_shared_body_clusters_only_the_head(stale):
 
 def test_artifacts_table_and_plot(tmp_path):
     sim = Simulator(synthetic_config(federation__rounds=2, federation__eval_every=1))
-    sim.run()
+    run_rounds(sim)
     paths = sim.method.artifacts(str(tmp_path))
     rows = (tmp_path / "fpfc_clusters.csv").read_text().strip().splitlines()
     assert rows[0] == "client,true_cluster,found_cluster,n_train" and len(rows) == 21
@@ -256,7 +246,7 @@ def test_artifacts_table_and_plot(tmp_path):
 def test_sync_clock_is_the_sum_of_slowest_device_per_round():
     cfg = synthetic_config(federation__rounds=3, federation__eval_every=3)
     sim = Simulator(cfg)
-    sim.run()
+    run_rounds(sim)
     delays = DelayModel(sim.ctx)
     expected = sum(max(delays.tau(r, c) for c in sim.sample(r)) for r in range(3))
     assert sim.history[-1]["time/sim_clock"] == pytest.approx(expected)
@@ -294,6 +284,7 @@ def test_async_driver_is_a_config_value():
     assert err.value.field == "federation.driver"
 
 
+@pytest.mark.slow
 def test_lambda_path_round_budget():
     from pfl.tune.lambda_path import PathSettings, separate_run, warmup_path
 
@@ -319,6 +310,7 @@ def test_lambda_path_round_budget():
     assert stage["rounds"] == 4 == fresh.round and stage["converged"] == 1   # the same rule, not the budget
 
 
+@pytest.mark.slow
 def test_lambda_path_playoff_continues_the_best_stages_to_equal_rounds_from_their_own_states():
     from pfl.tune.lambda_path import PathSettings, warmup_path
 
@@ -346,7 +338,7 @@ def test_lambda_path_playoff_continues_the_best_stages_to_equal_rounds_from_thei
 
 
 def test_lambda_path_on_a_regression_source_selects_by_rmse_and_ends():
-    from pfl.config import load
+    from pfl.resolver import load
     from pfl.tune.lambda_path import PathSettings, warmup_path
 
     cfg = load(None, {"data.source": "fpfc_linear", "data.num_clients": 10, "data.val_fraction": 0.2,
@@ -365,6 +357,7 @@ def test_lambda_path_on_a_regression_source_selects_by_rmse_and_ends():
     assert result.best_lambda == min(result.extra["playoff"], key=lambda m: m["val/rmse_mean"])["lambda"]
 
 
+@pytest.mark.slow
 def test_reproduce_pipeline_runs_the_label_swap_scenario_with_its_fpfc_setting():
     import sys
     from pathlib import Path
@@ -390,7 +383,7 @@ def test_reproduce_pipeline_runs_the_label_swap_scenario_with_its_fpfc_setting()
 
 
 def test_silhouette_threshold_reads_out_blobs_and_declines_noise():
-    from pfl.evaluation import connected_components, silhouette_threshold
+    from pfl.clusters import connected_components, silhouette_threshold
     from sklearn.metrics import adjusted_rand_score
 
     rng = np.random.default_rng(0)

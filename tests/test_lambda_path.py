@@ -308,7 +308,7 @@ def test_the_tuning_space_holds_out_validation_as_a_fifth_of_each_devices_traini
     tuning's space only, so every other run keeps its split."""
     from pathlib import Path
 
-    from pfl.config import resolve
+    from pfl.resolver import resolve
     from pfl.data import load_federated
     from pfl.tune.space import base_config, load_space
 
