@@ -15,6 +15,7 @@ tensors. Variants are configured through hooks, never by copying the loop:
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
@@ -72,6 +73,29 @@ def batch_indices(n: int, batch_size: int, epochs: int, steps: int | None,
             done += 1
 
 
+def batches(x: torch.Tensor, y: torch.Tensor, batch_size: int, epochs: int, steps: int | None,
+            generator: torch.Generator | None) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
+    """The minibatches of :func:`batch_indices`' order as contiguous slices of each epoch's shuffled
+    copy of (x, y): one gather per epoch instead of one per step, the same samples in the same order."""
+    n = len(y)
+    if n == 0:
+        return
+    if batch_size <= 0 or batch_size >= n:
+        for _ in range(steps if steps is not None else epochs):
+            yield x, y
+        return
+    total = steps if steps is not None else epochs * math.ceil(n / batch_size)
+    done = 0
+    while done < total:
+        perm = torch.randperm(n, generator=generator).to(x.device)
+        xs, ys = x[perm], y[perm]
+        for start in range(0, n, batch_size):
+            if done >= total:
+                return
+            yield xs[start:start + batch_size], ys[start:start + batch_size]
+            done += 1
+
+
 def local_sgd(
     model: torch.nn.Module,
     params: Mapping[str, torch.Tensor],
@@ -105,39 +129,98 @@ def local_sgd(
     names = list(params)
     train_names = list(names if trainable is None else [n for n in names if n in set(trainable)])
     state: Params = {k: v.detach().clone() for k, v in params.items()}
-    for k in train_names:
-        state[k].requires_grad_(True)
+    own = _own_parameters(model, state) if forward is None and loss is None else None
+    if own is None:  # parameters the module does not hold, or a custom forward: the functional call
+        for k in train_names:
+            state[k].requires_grad_(True)
+        fwd = forward or (lambda p, xb: functional_call(model, p, (xb,)))
+        count, total_loss = _sgd(state, fwd, x, y, train_names, lr, epochs, steps, batch_size, task, generator,
+                                 momentum, weight_decay, extra_loss, grad_hook, post_step, loss)
+    else:
+        # the module's own parameters train on ``state``'s storage: a plain module call, no
+        # re-binding of every parameter at every forward (what functional_call does)
+        with _bound(own, state, train_names) as live:
+            count, total_loss = _sgd(live, lambda p, xb: model(xb), x, y, train_names, lr, epochs, steps,
+                                     batch_size, task, generator, momentum, weight_decay, extra_loss, grad_hook,
+                                     post_step, None)
+    out = {k: v.detach() for k, v in state.items()}
+    return TrainResult(out, count, float(total_loss) / max(count, 1))
+
+
+def _own_parameters(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> dict | None:
+    """``model``'s parameters by name when ``state`` names exactly them, with their shapes, dtypes and
+    devices (None otherwise)."""
+    own = dict(model.named_parameters())
+    if len(own) != len(state):
+        return None
+    for k, t in state.items():
+        p = own.get(k)
+        if p is None or p.shape != t.shape or p.dtype != t.dtype or p.device != t.device:
+            return None
+    return own
+
+
+@contextmanager
+def _bound(own: dict, state: Params, train_names: list[str]):
+    """The module's parameters with ``state``'s tensors as their data (only ``train_names`` get
+    gradients) for the duration of a local loop; the module is left as it was."""
+    saved = {k: (p.data, p.requires_grad) for k, p in own.items()}
+    trainable = set(train_names)
+    try:
+        for k, p in own.items():
+            p.data = state[k]
+            p.requires_grad_(k in trainable)
+        yield {k: own[k] for k in state}
+    finally:
+        for k, p in own.items():
+            p.data, grad = saved[k]
+            p.requires_grad_(grad)
+            p.grad = None
+
+
+def _sgd(state: Params, fwd, x, y, train_names, lr, epochs, steps, batch_size, task, generator, momentum,
+         weight_decay, extra_loss, grad_hook, post_step, loss) -> tuple[int, torch.Tensor]:
+    """The loop of :func:`local_sgd` on the leaf tensors ``state`` (updated in place); returns the
+    step count and the summed batch losses."""
     criterion = loss_fn(task)
-    fwd = forward or (lambda p, xb: functional_call(model, p, (xb,)))
     velocity: Params = {}
+    leaves = [state[k] for k in train_names]
     total_loss, count = torch.zeros((), device=x.device), 0
-    for idx in batch_indices(len(y), batch_size, epochs, steps, generator, x.device):
-        xb, yb = (x, y) if idx is None else (x[idx], y[idx])
+    for xb, yb in batches(x, y, batch_size, epochs, steps, generator):
         value = loss(state, xb, yb).mean() if loss is not None else criterion(fwd(state, xb), yb)
         total_loss += value.detach()
         if extra_loss is not None:
             value = value + extra_loss(state)
-        grads_list = torch.autograd.grad(value, [state[k] for k in train_names], allow_unused=True)
+        grads_list = torch.autograd.grad(value, leaves, allow_unused=True)
         grads = {k: (g if g is not None else torch.zeros_like(state[k]))
                  for k, g in zip(train_names, grads_list)}
         if grad_hook is not None:
             grads = grad_hook(grads, state)
         with torch.no_grad():
-            for k in train_names:
-                g = grads[k]
-                if weight_decay:
-                    g = g + weight_decay * state[k]
-                if momentum:
-                    buf = velocity.get(k)
-                    buf = g.clone() if buf is None else buf.mul_(momentum).add_(g)
-                    velocity[k] = buf
-                    g = buf
-                state[k].sub_(lr * g)
+            if not weight_decay and not momentum:
+                # w ← w − lr·g for every tensor in one call (the same two roundings as the loop below);
+                # autograd's own gradients are scaled in place, a hook's result may be someone's tensor
+                steps_ = [grads[k] for k in train_names]
+                if grad_hook is None:
+                    torch._foreach_mul_(steps_, lr)
+                else:
+                    steps_ = torch._foreach_mul(steps_, lr)
+                torch._foreach_sub_(leaves, steps_)
+            else:
+                for k in train_names:
+                    g = grads[k]
+                    if weight_decay:
+                        g = g + weight_decay * state[k]
+                    if momentum:
+                        buf = velocity.get(k)
+                        buf = g.clone() if buf is None else buf.mul_(momentum).add_(g)
+                        velocity[k] = buf
+                        g = buf
+                    state[k].sub_(lr * g)
             if post_step is not None:
                 post_step(state)
         count += 1
-    out = {k: v.detach() for k, v in state.items()}
-    return TrainResult(out, count, float(total_loss) / max(count, 1))
+    return count, total_loss
 
 
 # ---- declarative hooks ---------------------------------------------------------------------------
