@@ -27,6 +27,48 @@ from .schema import ConfigError, hp
 Params = dict[str, torch.Tensor]
 
 
+class WeightedSum:
+    """A running weighted sum of models, Σ_k w_k · model_k, and its mean Σ_k w_k · model_k / Σ_k w_k.
+
+    Models are folded in one at a time (:meth:`add`), so a server that needs only the mean keeps one
+    model's worth of sums instead of every reply (a streaming aggregate: FedAvg's
+    :meth:`~pfl.methods.fedavg.FedAvg.receive`). The sum is taken in arrival order, one
+    ``acc += w_k · model_k`` per tensor (floating tensors in their own dtype, integer ones in
+    float64), and divided by Σ_k w_k at the end: the same mean as :func:`weighted_average`, which
+    has every model at hand and reduces each tensor in one product with the normalised weights;
+    the two round differently (float tolerance, not bits).
+    """
+
+    def __init__(self, names: Iterable[str] | None = None):
+        self.names = None if names is None else list(names)
+        self.sums: Params = {}
+        self.dtypes: dict[str, torch.dtype] = {}
+        self.total = 0.0
+        self.count = 0
+
+    def add(self, model: Mapping[str, torch.Tensor], weight: float = 1.0) -> None:
+        if self.names is None:
+            self.names = list(model)
+        weight = float(weight)
+        for k in self.names:
+            t = model[k]
+            acc = self.sums.get(k)
+            if acc is None:
+                self.dtypes[k] = t.dtype
+                acc = self.sums[k] = torch.zeros_like(t, dtype=t.dtype if t.is_floating_point() else torch.float64)
+            acc.add_(t.to(acc.dtype), alpha=weight)
+        self.total += weight
+        self.count += 1
+
+    def mean(self) -> Params:
+        """Σ_k w_k · model_k / Σ_k w_k, each tensor in its models' dtype."""
+        if not self.count:
+            raise ValueError("a weighted sum of no models has no mean")
+        if self.total <= 0:
+            raise ValueError("weights must sum to a positive number")
+        return {k: self.sums[k].div(self.total).to(self.dtypes[k]) for k in self.sums}
+
+
 def weighted_average(models: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float] | None = None,
                      names: Iterable[str] | None = None) -> Params:
     """Σ_k w_k · model_k / Σ_k w_k per tensor (uniform when ``weights`` is None).

@@ -159,7 +159,8 @@ class Simulator:
 
         def receive(arrival) -> None:
             if arrival.reply is not None:
-                replies[arrival.cid] = arrival.reply
+                # the method may fold the reply in now (a running sum) and keep only its control data
+                replies[arrival.cid] = self.method.receive(rnd, arrival.cid, arrival.reply)
                 if "train_loss" in arrival.reply.info:
                     losses.append(float(arrival.reply.info["train_loss"]))
 

@@ -7,7 +7,8 @@ A method class is instantiated twice per run, once for each side of the wire
   (name lists, initial models regenerated from the run seed, a public data set). Both sides
   share them.
 * **server side** — :meth:`setup` creates the server state; :meth:`begin_round`,
-  :meth:`broadcast`, :meth:`aggregate` (which sees only the delivered replies),
+  :meth:`broadcast`, :meth:`receive` (each delivered reply as it arrives), :meth:`aggregate` (which
+  sees only the delivered replies),
   :meth:`begin_eval`, :meth:`eval_message`, :meth:`eval_aggregate`, :meth:`extra_metrics`,
   :meth:`artifacts`. Every attribute the server object gets after ``configure`` is server state
   and goes into checkpoints (names starting with ``_`` are caches, recomputed, never saved).
@@ -185,8 +186,15 @@ class Method:
         """The downlink message for sampled client ``cid``."""
         return None
 
+    def receive(self, rnd: int, cid: int, reply: Message) -> Message:
+        """A delivered training reply as it arrives, before :meth:`aggregate` (server side). Returns
+        what ``aggregate`` gets for this client: the reply itself (default), or, once the method has
+        folded the reply's content into a running aggregate, a message with its control data only."""
+        return reply
+
     def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
-        """Update the server state from this round's delivered uplink messages."""
+        """Update the server state from this round's delivered uplink messages (as :meth:`receive`
+        returned them)."""
 
     def global_params(self) -> Params | None:
         """The global model, if the method has one."""

@@ -12,9 +12,9 @@ Byzantine-robust variant; ``mean`` is the plain (weighted) average.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
-from ..aggregation import RobustAggregation, aggregate
+from ..aggregation import RobustAggregation, WeightedSum, aggregate
 from ..federation.messages import Message
 from ..schema import hp
 from ..training import Params, proximal_pull
@@ -56,9 +56,36 @@ class FedAvg(Method):
         result = client.train(self.start_params(client, received), rnd, **self.train_kwargs(client, received))
         return Message.of(result.params, train_loss=result.mean_loss, n=client.n_train)
 
+    #: this class's ``aggregate`` reads the replies' models only through :meth:`reply_average` (all
+    #: names), so with the mean they are folded into a running weighted sum as they arrive; the
+    #: flag counts only on the class that defines ``aggregate`` (an override keeps every reply unless
+    #: it declares the flag again)
+    streams_replies: ClassVar[bool] = True
+
+    def streaming(self) -> bool:
+        """Whether this round's replies are folded in as they arrive (the mean needs only their sum;
+        the robust rules need them all)."""
+        owner = next(c for c in type(self).__mro__ if "aggregate" in vars(c))
+        return bool(vars(owner).get("streams_replies", False)) and self.hp.aggregator == "mean"
+
+    def receive(self, rnd: int, cid: int, reply: Message) -> Message:
+        if not self.streaming():
+            return reply
+        folded = getattr(self, "_folded", None)
+        if folded is None or folded[0] != rnd:
+            folded = self._folded = (rnd, WeightedSum())
+        folded[1].add(reply.tensors(), reply.info["n"] if self.hp.weighting == "samples" else 1.0)
+        return Message({}, dict(reply.info))
+
     def reply_average(self, replies: dict[int, Message], names: list[str] | None = None) -> Params:
         """The returned models (their tensors ``names``, default all) combined as ``aggregator`` says:
-        the mean weighted as ``weighting`` says, or a robust rule (unweighted)."""
+        the mean weighted as ``weighting`` says, or a robust rule (unweighted). With the mean the
+        replies were folded in as they arrived (:meth:`receive`, a :class:`~pfl.aggregation.WeightedSum`):
+        the same mean as :func:`~pfl.aggregation.weighted_average` of the kept replies up to float
+        rounding."""
+        folded, self._folded = getattr(self, "_folded", None), None
+        if folded is not None:
+            return folded[1].mean()
         models = [r.tensors() for r in replies.values()]
         weights = ([r.info["n"] for r in replies.values()] if self.hp.weighting == "samples" else None)
         return aggregate(models, weights, self.hp, names=names, attack_fraction=self.ctx.cfg.attack.fraction)

@@ -70,6 +70,7 @@ class FedOpt(FedAvg):
     name = "fedadam"
     Hparams = FedOptHparams
     description = "FedAdam: adaptive server optimiser (Reddi et al. 2021)"
+    streams_replies = True  # its aggregate reads the replies through reply_average only
 
     def setup(self) -> None:
         super().setup()

@@ -56,6 +56,7 @@ class PFedMe(FedAvg):
     name = "pfedme"
     Hparams = PFedMeHparams
     description = "pFedMe: personalised FL with Moreau envelopes (Dinh et al. 2020)"
+    streams_replies = True  # its aggregate reads the replies through reply_average only
 
     def _iters(self, client: ClientHandle) -> int:
         if self.hp.local_iters:
