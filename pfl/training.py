@@ -143,8 +143,19 @@ def local_sgd(
             count, total_loss = _sgd(live, lambda p, xb: model(xb), x, y, train_names, lr, epochs, steps,
                                      batch_size, task, generator, momentum, weight_decay, extra_loss, grad_hook,
                                      post_step, None)
-    out = {k: v.detach() for k, v in state.items()}
+    out = {k: handed_over(v.detach()) for k, v in state.items()}
     return TrainResult(out, count, float(total_loss) / max(count, 1))
+
+
+#: attribute of a tensor that its producer made for the caller and holds no reference to
+HANDED_OVER = "_pfl_handed_over"
+
+
+def handed_over(t: torch.Tensor) -> torch.Tensor:
+    """Mark ``t`` as new and held by nobody but the caller (local_sgd's results): a message that
+    carries it away needs no copy unless the sender kept it (:meth:`pfl.federation.messages.Message.copy`)."""
+    setattr(t, HANDED_OVER, True)
+    return t
 
 
 def _own_parameters(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> dict | None:

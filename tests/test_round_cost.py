@@ -97,3 +97,26 @@ def test_minibatches_are_the_same_samples_as_the_per_step_gather():
         sliced = list(batches(x, y, bs, epochs, steps, torch.Generator().manual_seed(1)))
         assert len(sliced) == len(gathered)
         assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(sliced, gathered))
+
+
+def test_a_trained_model_the_client_did_not_keep_goes_up_without_a_copy_and_a_kept_one_is_copied():
+    from helpers import downlink, uplink
+
+    for name, handed in (("fedavg", True), ("fpfc", False)):
+        sim = Simulator(small_config(method__name=name, federation__rounds=1))
+        produced = {}
+        local_update = sim.client_role.local_update
+
+        def recording(rnd, client, msg, local_update=local_update, produced=produced):
+            reply = local_update(rnd, client, msg)
+            produced.update(reply.entries)
+            return reply
+
+        object.__setattr__(sim.client_role, "local_update", recording)
+        sim.method.begin_round(0, [0])
+        reply = uplink(sim, 0, downlink(sim, 0))
+        same_objects = [reply[k] is produced[k] for k in produced]
+        assert all(same_objects) if handed else not any(same_objects), name
+        if not handed:  # FPFC keeps its w: the server's copy shares no storage with it
+            kept = {t.untyped_storage().data_ptr() for t in sim.client_states[0]["w"].values()}
+            assert not kept & {t.untyped_storage().data_ptr() for t in reply.tensors().values()}

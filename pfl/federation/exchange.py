@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from .cohort import Compute, Job
 from .messages import Message
+from .state import storages
 from .store import ClientStore
 from .wire import ClientSide, Phase, Wire
 
@@ -90,12 +91,15 @@ class Exchange:
             return run
 
         results = self.runner.run({cid: job(cid) for cid in downs})
+        # what each client kept: a reply tensor among it is copied on the way up, any other
+        # freshly trained one is handed over as it is (Message.copy)
+        kept = {cid: storages(clients[cid].state) for cid in downs}
         for cid in downs:
             self.store.save(cid, clients[cid].state)
         out: dict[int, Arrival] = {}
         for cid in downs:
             reply, local = results[cid]
-            arrival = Arrival(cid, self.wire.send_up(phase, cid, reply, sent[cid]), local)
+            arrival = Arrival(cid, self.wire.send_up(phase, cid, reply, sent[cid], kept[cid]), local)
             if receive is None:
                 out[cid] = arrival
             else:

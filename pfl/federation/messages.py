@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Union
+from typing import Any, Collection, Iterator, Mapping, Union
 
 import torch
 
+from ..training import HANDED_OVER
 from .state import checkpointable, clone
 
 
@@ -87,6 +88,12 @@ class Encoded(Payload):
 Entry = Union[torch.Tensor, Payload]
 
 
+def _moved(t: torch.Tensor, kept: Collection[int] | None) -> torch.Tensor:
+    if kept is not None and t.__dict__.pop(HANDED_OVER, False) and t.untyped_storage().data_ptr() not in kept:
+        return t
+    return t.detach().clone()
+
+
 def entry_nbytes(entry: Entry) -> int:
     if isinstance(entry, torch.Tensor):
         return entry.numel() * entry.element_size()
@@ -135,10 +142,14 @@ class Message(Mapping[str, Entry]):
         """Dense view of every entry (decoding payloads)."""
         return {k: dense(e) for k, e in self.entries.items()}
 
-    def copy(self) -> "Message":
-        """What the receiver gets: every tensor copied, ``info`` a new dict."""
-        entries = {k: (e.detach().clone() if isinstance(e, torch.Tensor) else e.copy())
-                   for k, e in self.entries.items()}
+    def copy(self, kept: Collection[int] | None = None) -> "Message":
+        """What the receiver gets: every tensor copied, ``info`` a new dict.
+
+        ``kept``: the storages (``untyped_storage().data_ptr()``) of every tensor the sender still
+        holds. A tensor its producer handed over (:func:`pfl.training.handed_over`, e.g. a freshly
+        trained model) whose storage is not among them is held by nobody but this message: it
+        passes as it is (the copy would protect nothing), and is no longer marked."""
+        entries = {k: (_moved(e, kept) if isinstance(e, torch.Tensor) else e.copy()) for k, e in self.entries.items()}
         return Message(entries, dict(self.info))
 
     @staticmethod

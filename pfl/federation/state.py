@@ -151,4 +151,11 @@ def nbytes(obj: Any) -> int:
     return total
 
 
-__all__ = ["checkpointable", "clone", "decode", "encode", "nbytes", "to_device", "tree_map"]
+def storages(obj: Any) -> set[int]:
+    """The storages (data pointers) of the tensors inside ``obj``."""
+    out: set[int] = set()
+    tree_map(lambda t: out.add(t.untyped_storage().data_ptr()) or t, obj)
+    return out
+
+
+__all__ = ["checkpointable", "clone", "decode", "encode", "nbytes", "storages", "to_device", "tree_map"]

@@ -6,7 +6,8 @@ One trip of a message, in order:
    sender's state: a server-side stage keeps its own, a client-side one keeps it in
    ``client.state``), e.g. compression encoding a message for the wire;
 2. **the wire** (:meth:`Wire.deliver`) — the message is copied (``Message.copy``: the receiver
-   shares no storage with the sender), passed through the run's transforms
+   shares no storage with the sender; a freshly trained model the client did not keep is handed
+   over without a copy), passed through the run's transforms
    (:mod:`pfl.federation.transforms`: an attacker rewriting its upload) and counted by the ledger,
    the only place bytes are counted;
 3. **receiver's stages** — the same stages in reverse order, on the receiver's side (decoding).
@@ -33,7 +34,7 @@ server-side state.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Collection, Sequence
 
 from .comm import CommLedger
 from .messages import Message
@@ -110,11 +111,13 @@ class Wire:
         self.transforms = list(transforms)
         self.stages = list(stages)
 
-    def deliver(self, msg: Message | None, direction: str, rnd: int, cid: int) -> Message | None:
-        """The receiver's copy of ``msg`` after the transforms, counted by the ledger."""
+    def deliver(self, msg: Message | None, direction: str, rnd: int, cid: int,
+                kept: Collection[int] | None = None) -> Message | None:
+        """The receiver's copy of ``msg`` after the transforms, counted by the ledger (``kept``: the
+        storages the sender still holds, see :meth:`Message.copy`)."""
         if msg is None:
             return None
-        msg = msg.copy()
+        msg = msg.copy(kept)
         for transform in self.transforms:
             msg = transform(msg, direction, rnd, cid)
         self.ledger.record(msg, direction)
@@ -147,10 +150,11 @@ class Wire:
         works on it (the client may edit its copy in place)."""
         return [None if down is None else stage.sent(phase, cid, down) for stage in self.stages]
 
-    def send_up(self, phase: Phase, cid: int, reply: Message | None, sent: list) -> Message | None:
+    def send_up(self, phase: Phase, cid: int, reply: Message | None, sent: list,
+                kept: Collection[int] | None = None) -> Message | None:
         """Client ``cid`` → server: the wire, then the receiver's stages (``sent``: the server's
-        records of this trip's downlink, :meth:`sent`)."""
-        msg = self.deliver(reply, phase.up, phase.rnd, cid)
+        records of this trip's downlink, :meth:`sent`; ``kept``: the storages of the client's state)."""
+        msg = self.deliver(reply, phase.up, phase.rnd, cid, kept)
         if msg is not None:
             for stage, record in reversed(list(zip(self.stages, sent))):
                 msg = stage.receive_up(phase, cid, msg, record)
