@@ -1,7 +1,7 @@
 """Benchmark: pfl's training round against the limit of the same work.
 
     python pipelines/bench_round.py [--quick] [--workloads fedavg ditto fpfc] [--pairs 5] [--rounds 30]
-                                    [--compile] [--no-track]
+                                    [--no-track]
 
 The **limit** is the round written as plainly as it can be, in this file: one ``nn.Module`` trained
 in place with ``torch.optim.SGD`` (module call, ``backward()``, ``step()``), batches sliced from a
@@ -21,12 +21,14 @@ Workloads:
   :mod:`pfl.methods.fpfc_admm` by both loops.
 
 Each measurement is a fresh process (one thread; its data loading and setup untimed): one warm-up
-round, then ``--rounds`` timed rounds; its peak resident memory while training is VmHWM after
-resetting it (``/proc/self/clear_refs``) at the start of training. pfl and the limit alternate
-(``--pairs`` pairs, the order swapped every pair) and the table reports medians; ``--compile`` adds
-pfl with ``federation.compile`` (a compiled local step). The load average is printed with the table: on a
-shared machine the ratios, measured in the same run, are what counts. Logged to MLflow
-(``bench_round``); the last line is ``pfl/limit per round: X, peak memory: Y`` for FedAvg.
+round, then ``--rounds`` timed rounds. Time is the process's CPU seconds per round (wall seconds
+are printed too): on a shared machine the wall clock measures the other processes as much as this
+one, the CPU time of a one-thread process does not. Peak memory is VmHWM after resetting it
+(``/proc/self/clear_refs``) when training starts: the resident set while training, setup included
+(both processes build the same simulator and data; the columns in brackets are what training
+added). pfl and the limit alternate (``--pairs`` pairs, the order swapped every pair) and the table
+reports medians and the load average. Logged to MLflow (``bench_round``); the last line is
+``pfl/limit per round: X, peak memory: Y`` for FedAvg.
 """
 
 from __future__ import annotations
@@ -223,7 +225,7 @@ def worker(kind: str, workload: str, rounds: int) -> dict:
 
     import torch
 
-    sim = build(workload, {"federation.compile": True} if kind == "compiled" else None)
+    sim = build(workload)
     # the first torch.optim optimizer imports about 140 MiB of torch modules: every process pays it
     # before the measurement, so the peaks compare what training holds, not which modules it imported
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
@@ -276,7 +278,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", nargs="+", default=None, choices=list(WORKLOADS))
     parser.add_argument("--pairs", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per measurement (after one warm-up)")
-    parser.add_argument("--compile", action="store_true", help="also pfl with federation.compile")
     parser.add_argument("--no-track", action="store_true")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -286,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     workloads = args.workloads or (["fedavg"] if args.quick else list(WORKLOADS))
     pairs = args.pairs or (3 if args.quick else 5)
     rounds = args.rounds or (4 if args.quick else 30)
-    kinds = ["pfl", "limit"] + (["compiled"] if args.compile else [])
+    kinds = ["pfl", "limit"]
     load_before = load_average()
     rows = []
     for workload in workloads:
@@ -311,9 +312,6 @@ def main(argv: list[str] | None = None) -> int:
                "limit_added_mib": statistics.median(r["peak_mib"] - r["setup_mib"] for r in runs["limit"])}
         row["time_ratio"] = row["pfl_s"] / row["limit_s"]
         row["mem_ratio"] = row["pfl_mib"] / row["limit_mib"]
-        if "compiled" in med:
-            row["compiled_s"] = med["compiled"]["s_per_round"]
-            row["compiled_ratio"] = row["compiled_s"] / row["limit_s"]
         rows.append(row)
     load_after = load_average()
     print(f"\n== one round: pfl vs the limit (CPU s/round, wall s/round in brackets; medians of {pairs} "
@@ -321,14 +319,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{load_after}) ==")
     head = (f"{'workload':<8} {'pfl s':>7} {'limit s':>8} {'ratio':>6} {'(wall':>7} {'wall)':>7} "
             f"{'pfl MiB':>8} {'limit MiB':>9} {'ratio':>6} {'(+pfl':>6} {'+limit)':>7}")
-    print(head + ("  compiled s  ratio" if args.compile else ""))
+    print(head)
     for r in rows:
         line = (f"{r['workload']:<8} {r['pfl_s']:>7.3f} {r['limit_s']:>8.3f} {r['time_ratio']:>6.3f} "
                 f"{r['pfl_wall_s']:>7.3f} {r['limit_wall_s']:>7.3f} "
                 f"{r['pfl_mib']:>8.0f} {r['limit_mib']:>9.0f} {r['mem_ratio']:>6.3f} "
                 f"{r['pfl_added_mib']:>6.0f} {r['limit_added_mib']:>7.0f}")
-        if "compiled_s" in r:
-            line += f"  {r['compiled_s']:>10.3f} {r['compiled_ratio']:>6.3f}"
         print(line)
     if not args.no_track:
         import pandas as pd
