@@ -1,8 +1,11 @@
 """The one local-SGD loop every method trains with, and the one evaluation routine.
 
-Parameters are plain ``{name: tensor}`` dicts and the model object is only a function
-(``torch.func.functional_call``), so one module serves every client and a client's state is its
-tensors. Variants are configured through hooks, never by copying the loop:
+Parameters are plain ``{name: tensor}`` dicts, so one module serves every client and a client's
+state is its tensors. The loop trains a copy of the start tensors: as the module's own parameters'
+data (a plain module call) when they are exactly its parameters and the forward is the module's,
+through ``torch.func.functional_call`` otherwise; the two give the same bits, the first without
+re-binding every parameter at every forward. Variants are configured through hooks, never by
+copying the loop:
 
 * ``extra_loss(params)``: a term added to the batch loss (FedProx's proximal term, distillation);
 * ``grad_hook(grads, params)``: edits gradients before the step (SCAFFOLD's control variates,
