@@ -34,9 +34,9 @@ class WeightedSum:
     model's worth of sums instead of every reply (a streaming aggregate: FedAvg's
     :meth:`~pfl.methods.fedavg.FedAvg.receive`). The sum is taken in arrival order, one
     ``acc += w_k · model_k`` per tensor (floating tensors in their own dtype, integer ones in
-    float64), and divided by Σ_k w_k at the end: the same mean as :func:`weighted_average`, which
-    has every model at hand and reduces each tensor in one product with the normalised weights;
-    the two round differently (float tolerance, not bits).
+    float64), divided by Σ_k w_k at the end. :func:`weighted_average` is this same sum over a list:
+    a server that folds its replies as they arrive and one that keeps them and averages at the end
+    compute the same bits (FedAvg and LAG at ξ = 0, say).
     """
 
     def __init__(self, names: Iterable[str] | None = None):
@@ -71,29 +71,15 @@ class WeightedSum:
 
 def weighted_average(models: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float] | None = None,
                      names: Iterable[str] | None = None) -> Params:
-    """Σ_k w_k · model_k / Σ_k w_k per tensor (uniform when ``weights`` is None).
-
-    Stacks each tensor once, so the cost is one reduction per parameter, not a Python loop over
-    clients.
-    """
+    """Σ_k w_k · model_k / Σ_k w_k per tensor (uniform when ``weights`` is None): a
+    :class:`WeightedSum` over ``models`` in order, so a mean of kept replies and the same replies
+    folded in as they arrived are the same bits."""
     if not models:
         raise ValueError("weighted_average needs at least one model")
-    keys = list(names) if names is not None else list(models[0])
-    if weights is None:
-        w = torch.full((len(models),), 1.0 / len(models))
-    else:
-        w = torch.as_tensor(list(weights), dtype=torch.float64)
-        total = float(w.sum())
-        if total <= 0:
-            raise ValueError("weights must sum to a positive number")
-        w = w / total
-    out: Params = {}
-    for k in keys:
-        ref = models[0][k]
-        stacked = torch.stack([m[k] for m in models])
-        wk = w.to(device=ref.device, dtype=ref.dtype if ref.is_floating_point() else torch.float32)
-        out[k] = torch.tensordot(wk, stacked.to(wk.dtype), dims=1).to(ref.dtype)
-    return out
+    acc = WeightedSum(names)
+    for i, model in enumerate(models):
+        acc.add(model, 1.0 if weights is None else weights[i])
+    return acc.mean()
 
 
 def add(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], alpha: float = 1.0) -> Params:

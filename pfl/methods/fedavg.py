@@ -81,8 +81,7 @@ class FedAvg(Method):
         """The returned models (their tensors ``names``, default all) combined as ``aggregator`` says:
         the mean weighted as ``weighting`` says, or a robust rule (unweighted). With the mean the
         replies were folded in as they arrived (:meth:`receive`, a :class:`~pfl.aggregation.WeightedSum`):
-        the same mean as :func:`~pfl.aggregation.weighted_average` of the kept replies up to float
-        rounding."""
+        the same bits as :func:`~pfl.aggregation.weighted_average` of the kept replies."""
         folded, self._folded = getattr(self, "_folded", None), None
         if folded is not None:
             return folded[1].mean()
