@@ -261,6 +261,7 @@ class PullTo(Term):
     anchor: Params | None
     weight: float
 
+    @torch.no_grad()  # arithmetic on gradients: nothing for autograd to record
     def __call__(self, grads: Params, params: Params) -> Params:
         w = self.weight
         if self.anchor is None:
@@ -275,6 +276,7 @@ class ProxPull(Term):
     anchor: Params
     step: float
 
+    @torch.no_grad()  # arithmetic on gradients: nothing for autograd to record
     def __call__(self, grads: Params, params: Params) -> Params:
         return {k: (g + (params[k] - self.anchor[k]) / self.step if k in self.anchor else g) for k, g in grads.items()}
 
@@ -285,6 +287,7 @@ class Shift(Term):
     shift: Params
     scale: float = 1.0
 
+    @torch.no_grad()  # arithmetic on gradients: nothing for autograd to record
     def __call__(self, grads: Params, params: Params) -> Params:
         return {k: (g + self.scale * self.shift[k] if k in self.shift else g) for k, g in grads.items()}
 

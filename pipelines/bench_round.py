@@ -92,7 +92,9 @@ class Limit:
     """One module trained in place, a plain SGD step, a running weighted sum (FedAvg, Ditto), or
     FPFC's device loop around its ADMM server step."""
 
-    def __init__(self, sim):
+    def __init__(self, sim, own: bool = True):
+        """``own``: copies of the method's starting state (False: take it over, when ``sim`` will
+        not run, so that the limit's process holds one server state as pfl's does)."""
         import torch
 
         self.sim = sim
@@ -105,7 +107,8 @@ class Limit:
         if self.method == "fpfc":
             from pfl.models import flatten_params
 
-            self.W, self.theta, self.v = m.W.clone(), m.theta.clone(), m.v.clone()
+            self.W, self.theta, self.v = ((m.W.clone(), m.theta.clone(), m.v.clone()) if own
+                                          else (m.W, m.theta, m.v))
             self.w = {cid: flatten_params(m.init, m.clustered).clone() for cid in range(sim.num_clients)}
             self.prox = m.prox()
         else:
@@ -229,7 +232,7 @@ def worker(kind: str, workload: str, rounds: int) -> dict:
     # the first torch.optim optimizer imports about 140 MiB of torch modules: every process pays it
     # before the measurement, so the peaks compare what training holds, not which modules it imported
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-    limit = Limit(sim) if kind == "limit" else None
+    limit = Limit(sim, own=False) if kind == "limit" else None
     step = (lambda r: limit.round(r)) if limit else (lambda r: RoundLoop(sim, []).run(until=r + 1))
     setup_rss = _status("VmRSS")
     try:  # the peak from here on: training only
