@@ -266,6 +266,9 @@ class PullTo(Term):
         w = self.weight
         if self.anchor is None:
             return {k: g + w * params[k] for k, g in grads.items()}
+        if not self.cohort:  # the same roundings in one new tensor per name (g + x and x + g agree)
+            return {k: (torch.sub(params[k], self.anchor[k]).mul_(w).add_(g) if k in self.anchor else g)
+                    for k, g in grads.items()}
         return {k: (g + w * (params[k] - self.anchor[k]) if k in self.anchor else g) for k, g in grads.items()}
 
 

@@ -344,8 +344,9 @@ def main(argv: list[str] | None = None) -> int:
             pd.DataFrame(rows).to_csv(path, index=False)
             tracker.log_artifact(path)
         tracker.end("FINISHED")
-    fedavg = next((r for r in rows if r["workload"] == "fedavg"), rows[0])
-    print(f"pfl/limit per round: {fedavg['time_ratio']:.3f}, peak memory: {fedavg['mem_ratio']:.3f}")
+    fedavg = next((r for r in rows if r["workload"] == "fedavg"), None)
+    if fedavg is not None:
+        print(f"pfl/limit per round: {fedavg['time_ratio']:.3f}, peak memory: {fedavg['mem_ratio']:.3f}")
     return 0
 
 
