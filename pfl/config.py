@@ -281,7 +281,12 @@ def parse_yaml_file(path: str | Path, what: str = "config") -> Any:
     if not p.is_file():
         raise ConfigError(what, f"no such file: {p}")
     try:
-        return yaml.safe_load(p.read_text())
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(what, f"{p}: not UTF-8 text (byte {err.object[err.start]:#04x} at offset "
+                                f"{err.start}); save the file as UTF-8") from None
+    try:
+        return yaml.safe_load(text)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f"{p}:{mark.line + 1}" if mark is not None else str(p)
