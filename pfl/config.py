@@ -103,6 +103,10 @@ class FederationConfig:
                      choices=("auto", "sequential", "vectorized"))
     cohort_chunk: int = hp(0, "at most this many clients in one batched computation (memory); 0 = all sampled",
                            low=0)
+    stages: list = hp(default_factory=lambda: ["attack", "compression"],
+                      doc="the order of the wire's stages (pfl/federation/wire.py): a sender runs them first to "
+                          "last, a receiver last to first; [attack, compression] puts a Byzantine client behind "
+                          "compressed uplinks, [compression, attack] lets it rewrite its encoded message")
     driver: str = hp("sync", "round driver: 'sync' (sampled cohorts) or 'async' (event-driven: simulated "
                              "device delays, the server updates on every arrival; methods with an "
                              "asynchronous form only)", choices=("sync", "async"))
@@ -172,10 +176,11 @@ class MethodConfig:
 class CompressionConfig:
     """Message compression at the delivery boundary (``pfl compressors`` lists names and parameters;
     :mod:`pfl.compression.codec` says what is encoded relative to what)."""
-    uplink: dict = hp(default_factory=lambda: {"name": "none"},
+    # a {name, ...params} mapping in YAML; after pfl.resolver.resolve a typed CompressorSpec
+    uplink: Any = hp(default_factory=lambda: {"name": "none"},
                       doc="compressor of the client → server messages: {name, ...params}, e.g. "
                           "{name: qsgd, s: 7}; the update (received → trained) is compressed per tensor")
-    downlink: dict = hp(default_factory=lambda: {"name": "none"},
+    downlink: Any = hp(default_factory=lambda: {"name": "none"},
                         doc="compressor of the server → client messages (the change since the client's "
                             "copy, per tensor)")
     error_feedback: bool = hp(False, "uplink error feedback: each client keeps the compression error in its "

@@ -104,13 +104,13 @@ def test_scaffold_option_two_control_variate_is_the_mean_path_gradient():
     for k in theta:
         mean_grad = sum(g[k] for g in path_grads) / 4
         torch.testing.assert_close(client.state["c"][k], mean_grad, rtol=1e-3, atol=1e-5)
-        torch.testing.assert_close(reply[f"dy/{k}"], y[k] - theta[k], rtol=1e-4, atol=1e-6)
-        torch.testing.assert_close(reply[f"dc/{k}"], client.state["c"][k] - c_k[k])
+        torch.testing.assert_close(reply.tensors("dy")[k], y[k] - theta[k], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(reply.tensors("dc")[k], client.state["c"][k] - c_k[k])
     # server: θ += mean Δy (η_g = 1), c += (1/N) Σ Δc
     method.aggregate(0, {0: reply})
     for k in theta:
-        torch.testing.assert_close(method.global_model[k], theta[k] + reply[f"dy/{k}"])
-        torch.testing.assert_close(method.c[k], c[k] + reply[f"dc/{k}"] / sim.num_clients)
+        torch.testing.assert_close(method.global_model[k], theta[k] + reply.tensors("dy")[k])
+        torch.testing.assert_close(method.c[k], c[k] + reply.tensors("dc")[k] / sim.num_clients)
 
 
 # ---- FedDyn --------------------------------------------------------------------------------------
@@ -168,7 +168,7 @@ def test_fedadam_first_step_closed_form():
     theta = dict(method.global_model)
     gen = torch.Generator().manual_seed(0)
     models = [{k: v + 0.01 * torch.randn(v.shape, generator=gen) for k, v in theta.items()} for _ in range(2)]
-    method.aggregate(0, {0: Message.of(models[0], n=10), 1: Message.of(models[1], n=30)})
+    method.aggregate(0, {0: Message.model(models[0], n=10), 1: Message.model(models[1], n=30)})
     for k in theta:
         delta = (10 * models[0][k] + 30 * models[1][k]) / 40 - theta[k]
         step = 0.03 * (1 - 0.9) * delta / (torch.sqrt((1 - 0.99) * delta ** 2) + 1e-3)
@@ -248,7 +248,7 @@ def test_apfl_one_step_updates_w_v_and_alpha(mix):
         direct = sum(((v[k] - theta[k]) * v_grad[k] / a).sum() for k in v)
         torch.testing.assert_close(a_grad, direct, rtol=1e-4, atol=1e-7)
     for k in theta:
-        torch.testing.assert_close(reply[k], theta[k] - lr * w_grad[k], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(reply.tensors()[k], theta[k] - lr * w_grad[k], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(client.state["v"][k], v[k] - lr * v_grad[k], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(client.state["alpha"], torch.clamp(a - lr * a_grad, 0, 1), rtol=1e-5, atol=1e-7)
 
@@ -276,13 +276,13 @@ def test_fedrep_trains_head_then_body_each_with_the_other_frozen(monkeypatch):
     assert [c[2] for c in calls] == [groups.head, groups.body]
     (in1, out1, _), (in2, out2, _) = calls
     for k in groups.body:
-        assert torch.equal(in1[k], msg[k]) and torch.equal(out1[k], in1[k])  # body frozen in head epochs
+        assert torch.equal(in1[k], msg.tensors()[k]) and torch.equal(out1[k], in1[k])  # body frozen in head epochs
         assert not torch.equal(out2[k], in2[k])
     for k in groups.head:
         torch.testing.assert_close(in1[k], method.init_own[k] + 0.3)  # starts from the client's own head
         assert not torch.equal(out1[k], in1[k])
         assert torch.equal(out2[k], in2[k])  # head frozen in body epochs
-    assert set(reply) == set(groups.body)
+    assert set(reply.tensors()) == set(groups.body)
     assert all(torch.equal(client.state["own"][k], out2[k]) for k in groups.head)
 
 
@@ -353,7 +353,7 @@ def test_pfedme_server_beta_one_is_the_average_and_beta_mixes():
         theta = dict(sim.method.global_model)
         gen = torch.Generator().manual_seed(0)
         models = [{k: v + torch.randn(v.shape, generator=gen) for k, v in theta.items()} for _ in range(2)]
-        sim.method.aggregate(0, {0: Message.of(models[0], n=1), 1: Message.of(models[1], n=3)})
+        sim.method.aggregate(0, {0: Message.model(models[0], n=1), 1: Message.model(models[1], n=3)})
         for k in theta:
             avg = (models[0][k] + 3 * models[1][k]) / 4
             torch.testing.assert_close(sim.method.global_model[k], (1 - beta) * theta[k] + beta * avg)
@@ -375,7 +375,7 @@ def test_pfedme_inner_steps_approach_the_prox_point_and_outer_step_moves_w():
     assert residual < 1e-5
     assert max(float((theta[k] - w0[k]).abs().max()) for k in w0) > 1e-2  # it did move
     for k in w0:
-        torch.testing.assert_close(reply[k], w0[k] - eta * lam * (w0[k] - theta[k]))
+        torch.testing.assert_close(reply.tensors()[k], w0[k] - eta * lam * (w0[k] - theta[k]))
 
 
 # ---- configuration errors ----------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from helpers import clustered, same, small_config, straight_and_resumed, synthet
 from pfl.callbacks.divergence import run_rounds
 from pfl.federation.checkpoint import load_checkpoint, save_checkpoint
 from pfl.federation.loop import RoundLoop
-from pfl.federation.messages import Message
+from pfl.federation.messages import Message, Update
 from pfl.federation.newcomers import in_true_cluster, newcomer_clients
 from pfl.federation.simulator import Simulator
 from pfl.federation.state import encode
@@ -155,7 +155,7 @@ def test_cfl_newcomers_descend_the_split_tree():
         method.join_begin(3, [sim.ctx.newcomers[0]])
         names = list(node["model"])
         upd = unflatten_params(node["centres"][side] * 3.0, node["model"], names)
-        method.join_aggregate(3, 0, {sim.ctx.newcomers[0]: Message.of(upd)})
+        method.join_aggregate(3, 0, {sim.ctx.newcomers[0]: Message.of({"delta": Update(upd)})})
         assert method.join_node[sim.ctx.newcomers[0]] == node["children"][side]
         assert sim.ctx.newcomers[0] in method.clusters[method.cluster_ids.index(node["children"][side])]
         for members in method.clusters:

@@ -11,7 +11,7 @@ from torch.func import functional_call
 
 from helpers import small_config, straight_and_resumed
 from pfl.callbacks.divergence import run_rounds
-from pfl.federation.messages import Message
+from pfl.federation.messages import Logits, Message
 from pfl.federation.simulator import Simulator
 from pfl.methods.perfed_ckt import assign_architectures, regulariser
 from pfl.models import build_model, params_of
@@ -58,10 +58,10 @@ def test_client_that_never_uploaded_gets_nothing():
 
 
 def test_message_sizes_vs_paper_models_at_least_100x():
-    logits = Message.of({"logits": torch.zeros(2000, 10)}).nbytes()
+    logits = Message.of({"logits": Logits({"logits": torch.zeros(2000, 10)})}).nbytes()
     assert logits == 2000 * 10 * 4
     for name in ("vgg11", "vgg13"):
-        model_bytes = Message.of(params_of(build_model(name, {}, (3, 32, 32), 10))).nbytes()
+        model_bytes = Message.model(params_of(build_model(name, {}, (3, 32, 32), 10))).nbytes()
         assert model_bytes / logits >= 100, (name, model_bytes)
 
 
@@ -79,7 +79,7 @@ def test_kmeans_recovers_hand_made_groups_and_sends_group_mean():
     sim = Simulator(ckt_config(data__num_clients=7, method__public_size=20, method__k=2))
     meth = sim.method
     groups, z = _two_groups(20)
-    meth.aggregate(0, {cid: Message.of({"logits": z[cid]}) for cid in range(6)})
+    meth.aggregate(0, {cid: Message.of({"logits": Logits({"logits": z[cid]})}) for cid in range(6)})
     assign = meth.assign[:6].numpy()
     assert adjusted_rand_score(groups, assign) == 1.0
     for cid in range(6):
@@ -94,8 +94,8 @@ def test_k1_target_is_mean_of_all_stored_including_stale():
     sim = Simulator(ckt_config(method__public_size=20, method__k=1))
     meth = sim.method
     _, z = _two_groups(20)
-    meth.aggregate(0, {cid: Message.of({"logits": z[cid]}) for cid in range(4)})
-    meth.aggregate(1, {cid: Message.of({"logits": z[cid]}) for cid in (4, 5)})  # 0..3 now stale
+    meth.aggregate(0, {cid: Message.of({"logits": Logits({"logits": z[cid]})}) for cid in range(4)})
+    meth.aggregate(1, {cid: Message.of({"logits": Logits({"logits": z[cid]})}) for cid in (4, 5)})  # 0..3 now stale
     mean = torch.stack(z).mean(0)
     for cid in range(6):
         torch.testing.assert_close(meth.broadcast(2, cid).tensors()["centroid"], mean)
@@ -107,7 +107,7 @@ def test_partial_public_rows_only_known_entries_are_targets():
     groups, z = _two_groups(8)
     rows0 = meth.rows(0)
     assert len(rows0) == 8 and not torch.equal(rows0, meth.rows(1))
-    meth.aggregate(0, {cid: Message.of({"logits": z[cid]}) for cid in range(6)})
+    meth.aggregate(0, {cid: Message.of({"logits": Logits({"logits": z[cid]})}) for cid in range(6)})
     rows1 = meth.rows(1)
     for cid in range(6):
         sent = meth.broadcast(1, cid).tensors()["centroid"]

@@ -1,6 +1,7 @@
-"""Byzantine attacks (uplink transforms), robust aggregators, benign-only metrics."""
+"""Byzantine attacks (a wire stage), robust aggregators, benign-only metrics."""
 
 import math
+import types
 
 import numpy as np
 import pytest
@@ -10,50 +11,69 @@ from helpers import downlink, same, small_config, straight_and_resumed, uplink
 from pfl.aggregation import (RobustAggregation, aggregate, byzantine_count, coordinate_median, krum,
                              krum_scores, trim_count, trimmed_mean)
 from pfl.callbacks.divergence import run_rounds
-from pfl.federation.attacks import Attack, attack_tensors, malicious_clients
-from pfl.federation.messages import LowRank, Message
+from pfl.federation.attacks import attack_stage, malicious_clients
+from pfl.federation.messages import LowRank, Message, Model, Scalars, Update
 from pfl.federation.simulator import Simulator
 from pfl.federation.state import encode
+from pfl.federation.wire import Masked, Only, Phase, Wrapper
 from pfl.resolver import with_overrides
 from pfl.schema import ConfigError
 
 
+class _Client:
+    """What the attack stage reads of a client: its id."""
+
+    def __init__(self, cid: int):
+        self.cid, self.state = cid, {}
+
+
 def _attack(kind: str, fraction: float = 0.5, **extra):
-    return Attack(small_config(attack__kind=kind, attack__fraction=fraction, **extra), 10)
+    """The run's attack stage (Only(Attack) for the malicious clients) of a 10-client config."""
+    cfg = small_config(attack__kind=kind, attack__fraction=fraction, **extra)
+    return attack_stage(cfg, types.SimpleNamespace(num_clients=10, model=None), None)
+
+
+def _send(stage, msg: Message, rnd: int, cid: int, phase: str = "train") -> Message:
+    """``msg`` after the sender's side of ``stage`` (an upload of client ``cid``)."""
+    return stage.send_up(Phase(phase, rnd), _Client(cid), msg, {})
 
 
 def _upload(seed: int = 0) -> Message:
     g = torch.Generator().manual_seed(seed)
-    return Message.of({"w": torch.randn(4, 3, generator=g), "b": torch.randn(3, generator=g),
-                       "cluster": torch.tensor([2], dtype=torch.uint8)}, n=17, train_loss=0.5)
+    return Message.of({"model": Model({"w": torch.randn(4, 3, generator=g), "b": torch.randn(3, generator=g)}),
+                       "choice": Scalars({"cluster": torch.tensor([2], dtype=torch.uint8)})}, n=17, train_loss=0.5)
+
+
+def _w(msg: Message, name: str = "w") -> torch.Tensor:
+    return msg.tensors("model")[name]
 
 
 # ---- the attacks ---------------------------------------------------------------------------------
 
 def test_same_value_sends_one_normal_constant_per_upload():
     att = _attack("same_value")
-    b = sorted(att.malicious)[0]
-    out = att(_upload(), "up", 3, b)
-    c = float(out["w"][0, 0])
-    assert torch.all(out["w"] == c) and torch.all(out["b"] == c)
-    expected = float(torch.randn((), generator=att.generator(3, b), dtype=torch.float64)) * 100.0
+    b = sorted(att.clients)[0]
+    out = _send(att, _upload(), 3, b)
+    c = float(_w(out)[0, 0])
+    assert torch.all(_w(out) == c) and torch.all(_w(out, "b") == c)
+    expected = float(torch.randn((), generator=att.inner.generator(3, b), dtype=torch.float64)) * 100.0
     assert c == pytest.approx(expected, rel=1e-6)
-    assert out["cluster"].tolist() == [2] and out.info == {"n": 17, "train_loss": 0.5}
+    assert out.tensors("choice")["cluster"].tolist() == [2] and out.info == {"n": 17, "train_loss": 0.5}
     # over many uploads c ~ N(0, 100²)
-    cs = np.array([float(att(_upload(), "up", r, b)["b"][0]) for r in range(4000)])
+    cs = np.array([float(_w(_send(att, _upload(), r, b), "b")[0]) for r in range(4000)])
     assert abs(cs.mean()) < 5 and cs.std() == pytest.approx(100, rel=0.05)
 
 
 def test_sign_flip_scales_the_upload_by_minus_a_half_normal():
     att = _attack("sign_flip")
-    b = sorted(att.malicious)[0]
+    b = sorted(att.clients)[0]
     ratios = []
     for r in range(4000):
         clean = _upload(r)
-        out = att(clean.copy(), "up", r, b)
-        s = out["w"] / clean["w"]
+        out = _send(att, clean, r, b)
+        s = _w(out) / _w(clean)
         assert torch.allclose(s, s.flatten()[0].expand_as(s), rtol=1e-5)     # one scalar per upload
-        assert torch.allclose(out["b"] / clean["b"], s.flatten()[0].expand(3), rtol=1e-5)
+        assert torch.allclose(_w(out, "b") / _w(clean, "b"), s.flatten()[0].expand(3), rtol=1e-5)
         ratios.append(float(s.flatten()[0]))
     ratios = -np.array(ratios)
     assert (ratios >= 0).all()                                            # −|s|
@@ -63,55 +83,64 @@ def test_sign_flip_scales_the_upload_by_minus_a_half_normal():
 
 def test_gaussian_replaces_every_float_entry_by_iid_noise():
     att = _attack("gaussian")
-    b = sorted(att.malicious)[0]
-    values = torch.cat([att(_upload(r), "up", r, b)["w"].flatten() for r in range(2000)]).numpy()
+    b = sorted(att.clients)[0]
+    values = torch.cat([_w(_send(att, _upload(r), r, b)).flatten() for r in range(2000)]).numpy()
     assert abs(values.mean()) < 3 and values.std() == pytest.approx(100, rel=0.03)
     assert abs(np.corrcoef(values[:-1], values[1:])[0, 1]) < 0.05
-    again = att(_upload(5), "up", 7, b)
+    again = _send(att, _upload(5), 7, b)
     # seeded by (seed, round, client), not by the input
-    assert torch.equal(again["w"], att(_upload(9), "up", 7, b)["w"])
+    assert torch.equal(_w(again), _w(_send(att, _upload(9), 7, b)))
 
 
 def test_the_noise_levels_are_configurable():
-    att = Attack(small_config(attack__kind="gaussian", attack__fraction=0.5, attack__gaussian_std=2.0), 10)
-    b = sorted(att.malicious)[0]
-    values = torch.cat([att(_upload(r), "up", r, b)["w"].flatten() for r in range(2000)]).numpy()
+    att = _attack("gaussian", attack__gaussian_std=2.0)
+    b = sorted(att.clients)[0]
+    values = torch.cat([_w(_send(att, _upload(r), r, b)).flatten() for r in range(2000)]).numpy()
     assert values.std() == pytest.approx(2.0, rel=0.03)
 
 
 def test_only_uploads_of_malicious_clients_are_attacked():
     att = _attack("gaussian")
-    benign = next(c for c in range(10) if c not in att.malicious)
-    bad = sorted(att.malicious)[0]
-    for direction, cid in [("up", benign), ("down", bad), ("eval_up", bad), ("eval_down", bad), ("join_down", bad)]:
-        assert torch.equal(att(_upload(), direction, 0, cid)["w"], _upload()["w"])
-    for direction in ("up", "join_up"):
-        assert not torch.equal(att(_upload(), direction, 0, bad)["w"], _upload()["w"])
+    benign = next(c for c in range(10) if c not in att.clients)
+    bad = sorted(att.clients)[0]
+    assert torch.equal(_w(_send(att, _upload(), 0, benign)), _w(_upload()))
+    assert torch.equal(_w(_send(att, _upload(), 0, bad, "eval")), _w(_upload()))     # IFCA's choice, say
+    for phase in ("train", "eval", "join"):                                       # downlinks: never
+        assert torch.equal(_w(att.send_down(Phase(phase, 0), bad, _upload())), _w(_upload()))
+        assert torch.equal(_w(att.receive_down(Phase(phase, 0), _Client(bad), _upload(), {})), _w(_upload()))
+    for phase in ("train", "join"):
+        assert not torch.equal(_w(_send(att, _upload(), 0, bad, phase)), _w(_upload()))
+
+
+def test_the_attack_writes_new_tensors_and_leaves_integer_entries():
+    att = _attack("same_value")
+    msg = _upload()
+    msg["model"].entries["k"] = torch.tensor([1, 2], dtype=torch.int64)
+    kept = msg.tensors("model")["w"].clone()
+    out = _send(att, msg, 0, sorted(att.clients)[0])
+    assert torch.equal(msg.tensors("model")["w"], kept)                  # the sender's reply is untouched
+    assert out.tensors("model")["k"].tolist() == [1, 2]
 
 
 def test_structured_payloads_are_refused_naming_the_attack():
     att = _attack("sign_flip")
-    msg = Message.of({"w": LowRank(torch.ones(3, 1), torch.ones(1, 2))})
-    with pytest.raises(ConfigError, match="attack.kind"):
-        att(msg, "up", 0, sorted(att.malicious)[0])
+    msg = Message.of({"model": Model({"w": LowRank(torch.ones(3, 1), torch.ones(1, 2))})})
+    with pytest.raises(TypeError, match="attack.*LowRank"):
+        _send(att, msg, 0, sorted(att.clients)[0])
 
 
 def test_head_scope_rewrites_only_the_last_layer():
     cfg = small_config(attack__kind="gaussian", attack__fraction=0.5, attack__scope="head")  # MLP: head = fc.*
     sim = Simulator(cfg)
-    att = next(t for t in sim.transforms if isinstance(t, Attack))
-    assert att.head == {"fc.weight", "fc.bias"}
-    b = sorted(att.malicious)[0]
-    clean = Message.of({k: v.clone() for k, v in sim.method.global_model.items()})
-    clean.entries["dy/fc.weight"] = clean["fc.weight"].clone()      # a prefixed entry (SCAFFOLD's dy/)
-    out = att(clean.copy(), "up", 0, b)
-    assert {k for k in clean if not torch.equal(out[k], clean[k])} == {"fc.weight", "fc.bias", "dy/fc.weight"}
-
-
-def test_attack_tensors_keeps_integer_tensors():
-    t = {"x": torch.ones(3), "k": torch.tensor([1, 2], dtype=torch.int64)}
-    attack_tensors(t, "same_value", 1.0, torch.Generator().manual_seed(0))
-    assert t["k"].tolist() == [1, 2] and torch.all(t["x"] == t["x"][0])
+    stage = next(s for s in sim.wire.stages.stages if s.key == "attack")
+    assert isinstance(stage, Only) and isinstance(stage.inner, Masked)   # malicious only, head only: wrappers
+    b = sorted(sim.malicious)[0]
+    model = {k: v.clone() for k, v in sim.method.global_model.items()}
+    clean = Message.of({"model": Model(model), "dy": Update({"fc.weight": model["fc.weight"].clone()})})
+    out = _send(stage, clean.copy(), 0, b)
+    changed = {(p, k) for p in clean for k in clean[p].entries
+               if not torch.equal(out.tensors(p)[k], clean.tensors(p)[k])}
+    assert changed == {("model", "fc.weight"), ("model", "fc.bias"), ("dy", "fc.weight")}
 
 
 # ---- the malicious subset ---------------------------------------------------------------------------
@@ -131,17 +160,20 @@ def test_the_same_clients_are_attacked_in_every_round_and_after_a_resume(tmp_pat
     cfg = small_config(method__name="fedavg", attack__kind="gaussian", attack__fraction=0.3,
                        federation__rounds=4, federation__clients_per_round=5)
     sim = Simulator(cfg)
-    attack = next(t for t in sim.transforms if isinstance(t, Attack))
-    seen: list[tuple[int, int]] = []
+    seen: list[tuple[int, int, str]] = []
 
-    def recording(msg, direction, rnd, cid):
-        before = {k: v.clone() for k, v in msg.tensors().items()}
-        out = attack(msg, direction, rnd, cid)
-        if any(not torch.allclose(before[k], out[k], equal_nan=True) for k in before):
-            seen.append((rnd, cid, direction))
-        return out
+    class Recording(Wrapper):
+        """The run's attack stage, noting which uploads it changed."""
 
-    sim.transforms = [recording if t is attack else t for t in sim.transforms]
+        def send_up(self, phase, client, msg, notes):
+            out = self.inner.send_up(phase, client, msg, notes)
+            if any(not torch.allclose(msg.tensors(p)[k], t, equal_nan=True)
+                   for p in msg for k, t in out.tensors(p).items()):
+                seen.append((phase.rnd, client.cid, phase.up))
+            return out
+
+    stages = sim.wire.stages.stages
+    stages[:] = [Recording(s) if s.key == "attack" else s for s in stages]
     sampled = {}
     for rnd in range(4):
         sampled[rnd] = sim.sample(rnd)
@@ -400,7 +432,7 @@ def test_fpfc_combines_its_shared_body_by_the_robust_rule():
     sim.method.begin_round(0, sampled)
     replies = {c: uplink(sim, c, downlink(sim, c, 0), 0) for c in sampled}
     sim.method.aggregate(0, replies)
-    direct = coordinate_median([r.tensors() for r in replies.values()], sim.method.shared)
+    direct = coordinate_median([r.tensors("body") for r in replies.values()], sim.method.shared)
     assert sim.method.shared and all(torch.allclose(sim.method.body[k], direct[k]) for k in sim.method.shared)
 
 
@@ -450,7 +482,7 @@ def test_attack_and_newcomer_metrics_are_in_the_sweep_catalog():
 @pytest.mark.parametrize("name, extra", [("fedavg", {"method__aggregator": "krum"}), ("fpfc", {}),
                                          ("ifca", {"method__k": 2})])
 def test_attacks_and_robust_rules_act_alike_on_sequential_and_vectorized_cohorts(name, extra):
-    """The attack is a transform at the delivery boundary, which both cohort paths cross per client: the
+    """The attack is a wire stage on each client's side of the trip, which both cohort paths run per client: the
     attacked uploads are the same draws, the benign ones agree up to float rounding, newcomers join alike."""
     kw = dict(method__name=name, attack__kind="gaussian", attack__fraction=0.3, newcomers__fraction=0.2,
               newcomers__rounds=2, federation__rounds=2, **extra)
@@ -468,16 +500,6 @@ def test_attacks_and_robust_rules_act_alike_on_sequential_and_vectorized_cohorts
         bad = sorted(seq.malicious)
         assert torch.allclose(vec.method.W[bad], seq.method.W[bad], rtol=1e-5, atol=1e-4)
         assert seq.method.W[bad].abs().max() > 50       # noise, not what they trained
-
-
-def test_attacks_refuse_an_encoded_uplink_before_any_work():
-    with pytest.raises(ConfigError, match="attack.kind.*compression.uplink"):
-        small_config(attack__kind="gaussian", attack__fraction=0.2, compression__uplink={"name": "qsgd", "s": 7})
-    with pytest.raises(ConfigError, match="attack.kind.*encodes its own uplink"):
-        small_config(method__name="diana", attack__kind="sign_flip", attack__fraction=0.2)
-    # a compressed downlink leaves the uploads plain: allowed
-    cfg = small_config(attack__kind="gaussian", attack__fraction=0.2, compression__downlink={"name": "fp16"})
-    assert cfg.attack.kind == "gaussian"
 
 
 @pytest.mark.parametrize("name", ["diana", "lag"])

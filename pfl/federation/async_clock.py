@@ -35,8 +35,8 @@ class AsyncSimulator(Simulator):
     ``external_clock`` is set to True so it does not also advance a synchronous clock.
     """
 
-    def __init__(self, cfg, data=None, transforms=None, delay: DelayConfig | None = None):
-        super().__init__(cfg, data=data, transforms=transforms)
+    def __init__(self, cfg, data=None, stages=None, delay: DelayConfig | None = None):
+        super().__init__(cfg, data=data, stages=stages)
         self.delays = DelayModel(self.ctx, delay or DelayConfig.from_hparams(self.method.hp))
         self.method.external_clock = True
         self.clock = 0.0

@@ -22,7 +22,7 @@ from ..resolver import resolve
 from ..schema import ConfigError, flatten
 from .state import decode, encode
 
-CHECKPOINT_FORMAT = 2
+CHECKPOINT_FORMAT = 3
 #: config keys a resumed run may change: the round budget, tracking, and settings that do not
 #: change what is computed (threads, checkpoint period, where client state is kept)
 RESUMABLE_CHANGES = ("federation.rounds", "federation.threads", "federation.checkpoint_every",

@@ -5,8 +5,7 @@ rounds, evaluation, the models a pipeline asks for (``personal_models``, ``evalu
 newcomers' join and, split in its two halves, the asynchronous driver. For each client:
 
 1. ``server_side(cid)`` — the server's downlink (None: nothing is sent);
-2. the downlink is delivered (:meth:`pfl.federation.wire.Wire.send_down`: stages, copy, transforms,
-   ledger);
+2. the downlink is delivered (:meth:`pfl.federation.wire.Wire.send_down`: copy, stages, ledger);
 3. the client's state is loaded from the store, the client's side runs — ``client_side(client,
    msg)`` returns ``(reply, local)``, where ``local`` is what the simulator observes about the
    client and never sends (an evaluation row) — and the state is saved;

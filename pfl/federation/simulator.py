@@ -3,7 +3,7 @@
 ``Simulator(cfg)`` builds a run from its config: the data on the run's device, the shared model
 object, the method's server and client objects, the population (:mod:`.population`: members,
 newcomers, malicious clients), the client-state store (:mod:`.store`), the wire (:mod:`.wire`:
-compression stage, transforms such as attacks, the ledger) and the exchange (:mod:`.exchange`)
+its stages — an attack, compression — in the declared order, and the ledger) and the exchange (:mod:`.exchange`)
 through which every message travels. It does not drive itself: the round loop
 (:class:`pfl.federation.loop.RoundLoop`) calls :meth:`run_round`, with callbacks around it;
 checkpoint files are :mod:`.checkpoint`'s. Every random choice is drawn from a generator seeded by
@@ -25,14 +25,14 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ..compression import Codec
+from ..compression import codec  # noqa: F401  (registers the compression stage)
 from ..config import ExperimentConfig
 from ..data import load_federated
 from ..evaluation import evaluate_plan, summarize
 from ..methods import ClientHandle, EvalPlan, Method, get_method
 from ..models import build_model
 from ..schema import from_dict, to_dict
-from . import attacks  # noqa: F401  (registers the attack transform)
+from . import attacks  # noqa: F401  (registers the attack stage)
 from .cohort import DIRECT, Cohort, Compute, Sequential
 from .comm import CommLedger
 from .context import FederationMeta, RunContext
@@ -42,8 +42,7 @@ from .newcomers import newcomer_clients
 from .population import Population
 from .state import clone, to_device, tree_map
 from .store import initial_store
-from .transforms import Transform, build_transforms
-from .wire import ClientSide, Wire
+from .wire import Chain, ClientSide, Stage, Wire, build_stages
 
 
 def resolve_device(name: str) -> torch.device:
@@ -62,7 +61,7 @@ class DivergedError(RuntimeError):
 
 
 class Simulator:
-    def __init__(self, cfg: ExperimentConfig, data=None, transforms: list[Transform] | None = None):
+    def __init__(self, cfg: ExperimentConfig, data=None, stages: list[Stage] | None = None):
         self.cfg = cfg
         self.start_config = cfg.to_dict()  # what a checkpoint is compared with on resume
         fed = cfg.federation
@@ -82,14 +81,14 @@ class Simulator:
         self.method: Method
         self.client_role: Method
         self.method, self.client_role = method_cls.create(cfg.method.hparams, self.ctx)
-        transforms = list(transforms or []) + build_transforms(cfg, self.ctx)
         # auto batches only on a GPU: on CPU the batched cohort measured no faster than the loop,
         # for training and evaluation alike (pipelines/bench_cohort.py)
         self.vectorized = fed.cohort == "vectorized" or (
             fed.cohort == "auto" and method_cls.cohort == "vectorized" and self.device.type == "cuda")
-        self.codec = Codec(cfg.compression, self.ctx, self.method, self.client_role)  # no-op without compression
         self.ledger = CommLedger()
-        self.wire = Wire(self.ledger, transforms, [self.codec])
+        # the run's stages in declared order (federation.stages), then any a caller adds
+        chain = build_stages(cfg, self.ctx, self.method)
+        self.wire = Wire(self.ledger, Chain(chain.stages + list(stages or [])))
         self.round = 0       # the lineage's next round
         self.executed = 0    # rounds computed by this run
         self.history: list[dict[str, float]] = []
@@ -110,13 +109,15 @@ class Simulator:
     def malicious(self) -> frozenset[int]:
         return self.population.malicious
 
-    @property
-    def transforms(self) -> list[Transform]:
-        return self.wire.transforms
-
-    @transforms.setter
-    def transforms(self, value: list[Transform]) -> None:
-        self.wire.transforms = list(value)
+    def stage(self, key: str) -> Stage | None:
+        """The run's stage named ``key`` (``attack``, ``compression``) without its wrappers; None
+        when the run has none."""
+        for stage in self.wire.stages.stages:
+            if stage.key == key:
+                while hasattr(stage, "inner"):
+                    stage = stage.inner
+                return stage
+        return None
 
     @property
     def client_states(self) -> list[dict]:
@@ -241,7 +242,7 @@ class Simulator:
         def test(client: ClientHandle, msg: Message):  # nothing goes back: the row is the client's measurement
             return None, evaluate_plan(client, EvalPlan(msg.tensors()), task, False)
 
-        arrivals = self.exchange(Phase("eval", rnd), cids, lambda cid: Message.of(model_of(cid)), test)
+        arrivals = self.exchange(Phase("eval", rnd), cids, lambda cid: Message.model(model_of(cid)), test)
         summary = summarize(self.summary_rows([self.population.mark(arrivals[cid].local) for cid in cids]), task)
         if task == "classification":
             return {f"{name}_acc": summary["test/acc_mean"]} if "test/acc_mean" in summary else {}
@@ -275,9 +276,9 @@ class Simulator:
         state = {"round": self.round, "hparams": to_dict(self.method.hp),
                  "server": self.method.server_state(), "clients": self.store.states(),
                  "newcomers": {"joined": self.newcomers_joined, "result": self.join_result}}
-        codec = self.codec.state_dict()
-        if codec:  # the server's downlink mirrors (compression.downlink)
-            state["codec"] = codec
+        stages = self.wire.stages.state_dict()
+        if stages:  # the server side of the wire's stages, by name (compression: the downlink mirrors)
+            state["stages"] = stages
         return state
 
     def load_model_state(self, state: dict) -> None:
@@ -290,7 +291,7 @@ class Simulator:
         join = state.get("newcomers") or {}
         self.newcomers_joined = bool(join.get("joined", False))
         self.join_result = join.get("result")
-        self.codec.load_state_dict(to_device(state.get("codec", {}), self.device))
+        self.wire.stages.load_state_dict(to_device(state.get("stages", {}), self.device))
 
     def snapshot(self) -> dict:
         """A copy of the model state that later rounds cannot change (restore with :meth:`restore`)."""

@@ -64,7 +64,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from ..federation.context import derive_seed
-from ..federation.messages import Message
+from ..federation.messages import Logits, Message
 from ..schema import ConfigError, hp
 from ..training import Params
 from . import register
@@ -254,13 +254,14 @@ class PerFedCKT(Method):
             return None
         rows = self.rows(rnd)
         if self.hp.downlink == "all_centroids":
-            return Message.of({"centroids": self.centroids[:, rows].to(self.wire_dtype)})
-        return Message.of({"centroid": self.centroids[int(self.assign[cid]), rows].to(self.wire_dtype)})
+            return Message.of({"centroids": Logits({"centroids": self.centroids[:, rows].to(self.wire_dtype)})})
+        own = self.centroids[int(self.assign[cid]), rows].to(self.wire_dtype)
+        return Message.of({"centroid": Logits({"centroid": own})})
 
     def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
         rows = self.rows(rnd)
         for cid, msg in replies.items():
-            self.logits[cid, rows] = msg.tensors()["logits"].to(self.logits.dtype)
+            self.logits[cid, rows] = msg.tensors("logits")["logits"].to(self.logits.dtype)
             self.known[cid] = True
         if replies:
             self.recluster(rnd)
@@ -308,8 +309,8 @@ class PerFedCKT(Method):
         if msg is None:
             return None
         if "centroid" in msg:
-            return msg.tensors()["centroid"].float()
-        cents = msg.tensors()["centroids"].float()                        # (K, N_t, C)
+            return msg.tensors("centroid")["centroid"].float()
+        cents = msg.tensors("centroids")["centroids"].float()                        # (K, N_t, C)
         own = self._public_logits(client, client.state["params"], self.public.x[rows])
         valid = torch.isfinite(cents).all(dim=0).all(dim=1)
         space, t = self.hp.cluster_space, self.hp.temperature
@@ -343,7 +344,8 @@ class PerFedCKT(Method):
         client.state["params"] = result.params
         client.state["train_loss"] = result.mean_loss
         logits = self._public_logits(client, result.params, x_pub)
-        return Message.of({"logits": logits.to(self.wire_dtype)}, n=client.n_train, train_loss=result.mean_loss)
+        return Message.of({"logits": Logits({"logits": logits.to(self.wire_dtype)})}, n=client.n_train,
+                          train_loss=result.mean_loss)
 
     def personal_params(self, rnd: int, client: ClientHandle, received: Params | None) -> Params:
         return client.state["params"]

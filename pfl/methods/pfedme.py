@@ -88,7 +88,7 @@ class PFedMe(FedAvg):
             for k in w:
                 w[k].sub_(eta * lam * (w[k] - theta[k]))
         client.state["personal"] = theta
-        return Message.of(w, train_loss=float(np.mean(losses)) if losses else float("nan"), n=client.n_train)
+        return Message.model(w, base="model", train_loss=float(np.mean(losses)) if losses else float("nan"), n=client.n_train)
 
     def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
         if not replies:
