@@ -7,5 +7,6 @@ every name and parameter."""
 from .codec import Codec, compress_tensor, compressible, decode_update, encode_update, message_bits, spec_omega
 from .compressors import COMPRESSORS, NAMES, Compressor, CompressorSpec, build, contractive, index_bits, resolve_spec
 
-__all__ = ["COMPRESSORS", "NAMES", "Codec", "Compressor", "CompressorSpec", "build", "compress_tensor", "compressible", "contractive",
+__all__ = ["COMPRESSORS", "NAMES", "Codec", "Compressor", "CompressorSpec", "build", "compress_tensor", "compressible",
+           "contractive",
            "decode_update", "encode_update", "index_bits", "message_bits", "resolve_spec", "spec_omega"]

@@ -302,7 +302,8 @@ class Codec(Stage):
             raise RuntimeError(f"uplink part {pname!r} is a Model whose base {part.base!r} is not a part of this "
                                f"trip's downlink ({sorted(received)}); a model must name the downlink part it "
                                "started from (or be sent as an Update)")
-        missing = [k for k, t in part.entries.items() if compressible(t, self.min_numel) and not has_reference(t, ref.get(k))]
+        missing = [k for k, t in part.entries.items()
+                   if compressible(t, self.min_numel) and not has_reference(t, ref.get(k))]
         if missing:
             raise RuntimeError(f"uplink part {pname!r}: entries {missing} have no tensor of the same shape in its "
                                f"base part {part.base!r}")

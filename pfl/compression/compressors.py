@@ -242,6 +242,13 @@ class TernGrad(PQuant):
         self.preset = params
 
 
+def power_of_two_below(a: torch.Tensor) -> torch.Tensor:
+    """The largest power of two ≤ a (0 where a = 0), exactly: frexp gives a = m·2^e with m ∈ [0.5, 1)
+    (a float32 log2 rounds the values just below a power up to it)."""
+    _, exponent = torch.frexp(a)
+    return torch.where(a > 0, torch.ldexp(torch.ones_like(a), exponent - 1), torch.zeros_like(a))
+
+
 class Natural(Compressor):
     name = "natural"
     description = "natural compression: unbiased random rounding to a power of two (9 bits/entry, ω = 1/8)"
@@ -252,10 +259,7 @@ class Natural(Compressor):
         u = _uniform(v.numel(), gen, v)
         a = v.abs()
         nz = a > 0
-        # the largest power of two ≤ |v_i|, exactly: frexp gives |v_i| = m·2^e with m ∈ [0.5, 1)
-        # (a float32 log2 rounds up to the next power just below it)
-        _, exponent = torch.frexp(a)
-        low = torch.where(nz, torch.ldexp(torch.ones_like(a), exponent - 1), torch.zeros_like(a))
+        low = power_of_two_below(a)
         prob = torch.where(nz, (a - low) / torch.where(nz, low, torch.ones_like(low)), torch.zeros_like(a))
         mag = torch.where(u < prob, 2 * low, low)
         return Encoded(torch.sign(v) * mag, 9 * v.numel(), v.numel())
@@ -466,5 +470,6 @@ def describe_compressors() -> list[tuple[str, str, type]]:
 
 
 __all__ = ["COMPRESSORS", "FLOAT_BITS", "NAMES", "BFloat16", "Compressor", "HalfPrecision", "Identity",
-           "CompressorSpec", "Natural", "PQuant", "QSGD", "RandK", "Scaled", "Sign", "TernGrad", "TopK", "build", "contractive",
+           "CompressorSpec", "Natural", "PQuant", "QSGD", "RandK", "Scaled", "Sign", "TernGrad", "TopK", "build",
+           "contractive",
            "describe_compressors", "index_bits", "resolve_spec"]

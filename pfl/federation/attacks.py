@@ -95,8 +95,11 @@ def attack_tensors(tensors: dict[str, torch.Tensor], kind: str, std: float,
         s = abs(float(torch.randn((), generator=generator, dtype=torch.float64))) * std
         return {k: t * -s for k, t in tensors.items()}
     if kind == "gaussian":
-        return {k: (torch.randn(t.shape, generator=generator, dtype=torch.float32) * std).to(device=t.device, dtype=t.dtype)
-                for k, t in tensors.items()}
+        out = {}
+        for k, t in tensors.items():
+            noise = torch.randn(t.shape, generator=generator, dtype=torch.float32) * std
+            out[k] = noise.to(device=t.device, dtype=t.dtype)
+        return out
     raise ValueError(f"unknown attack {kind!r}")
 
 

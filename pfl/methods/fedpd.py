@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..aggregation import weighted_average, zeros_like
-from ..federation.messages import Message, Model, Update
+from ..federation.messages import Message, Update
 from ..schema import hp
 from ..training import Params, ProxPull, Shift, Terms
 from . import register

@@ -14,7 +14,6 @@ import torch
 
 from ..federation.messages import Message, Model
 from ..models import flatten_params, unflatten_params
-from ..training import Params
 from .base import ClientHandle
 
 Prox = Callable[[torch.Tensor], torch.Tensor]

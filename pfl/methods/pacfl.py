@@ -155,7 +155,8 @@ class PACFL(Method):
         d = client.data
         if msg.info.get("send_basis"):
             y = d.y_train if self.ctx.meta.task == "classification" else None
-            return Message.of({"basis": State({"basis": data_basis(d.x_train, y, self.hp.n_basis)})}, n=client.n_train)
+            basis = data_basis(d.x_train, y, self.hp.n_basis)
+            return Message.of({"basis": State({"basis": basis})}, n=client.n_train)
         result = client.train(msg.tensors(), rnd)
         return Message.model(result.params, base="model", train_loss=result.mean_loss, n=client.n_train)
 
@@ -257,7 +258,8 @@ class PACFL(Method):
             return
         for cid, reply in sorted(replies.items()):
             self.n[cid] = reply.info["n"]
-            angles = proximity([reply.tensors("basis")["basis"]], [self.bases[c] for c in known], self.hp.angle)[0].double()
+            basis = reply.tensors("basis")["basis"]
+            angles = proximity([basis], [self.bases[c] for c in known], self.hp.angle)[0].double()
             best, best_d = None, float("inf")
             for c in range(len(self.models)):
                 d = angles[[k for k, member in enumerate(known) if self.labels[member] == c]]
