@@ -1,26 +1,29 @@
-"""Communication compression table: accuracy and uplink bytes of compressed FL and the seminar's methods.
+"""Communication compression table: accuracy and bytes of compressed FL and the seminar's methods.
 
     python pipelines/compression_table.py [--quick] [--only TEXT ...] [--target ACC] [--set key=value ...]
                                           [--no-track] [--out DIR] [--quiet]
 
 Entries (docs/methods/seminar.md, docs/methods/compression.md; ``--only`` keeps the labels containing any TEXT):
 
-* ``fedavg``, ``fedprox``, ``scaffold`` on Fashion-MNIST Dir(0.5) (scenario ``fmnist_dir05``: 20
-  clients sharing 20,000 samples, 10 per round, an MLP, 50 rounds) and ``fpfc`` on FPFC's synthetic S1
-  (``fpfc_s1``, 300 rounds), each × {none, fp16, qsgd s=1, qsgd s=7, terngrad, rand-k 10 %, top-k 1 % + EF,
-  scaled sign + EF} as ``compression.uplink``;
+* ``fedavg`` and ``scaffold`` on Fashion-MNIST Dir(0.5) (scenario ``fmnist_dir05``: 20 clients sharing
+  20,000 samples, 10 per round, an MLP, 50 rounds) and ``fpfc`` on FPFC's synthetic S1 (``fpfc_s1``,
+  300 rounds), each × {none, fp16, qsgd s=1, qsgd s=7, terngrad, rand-k 10 %, top-k 1 % + EF, scaled
+  sign + EF} as ``compression.uplink``, × {fp16, qsgd s=1, qsgd s=7, terngrad, rand-k 10 %, top-k 10 %,
+  scaled sign} as ``compression.downlink`` (labels ``down_*``; the replica scheme of
+  docs/methods/compression.md), and a few pairs of both (``up+down_*``);
 * on Fashion-MNIST: DIANA + QSGD s=1, MARINA + rand-k 10 % (a gradient method: one gradient step
   per round, so it gets 10× the rounds, full participation), LAG, L2GD, FedPD (full participation),
   FedSplit — every method at its defaults.
 
 Columns: final test accuracy (each method's evaluated model: global for the global methods, personal
-for FPFC and L2GD), cumulative uplink bytes (measured: the encodings' bits), its ratio to the same
-method's uncompressed entry (FedAvg's for the seminar entries), the accuracy difference in points,
-and the uplink bytes at the first evaluation that reached the target accuracy (``--target``;
-default: 95 % of the uncompressed FedAvg's — FPFC's on S1 — final accuracy).
+for FPFC and L2GD), the accuracy difference in points to the same method's uncompressed entry
+(FedAvg's for the seminar entries), cumulative uplink and downlink bytes (measured: the encodings'
+bits), the ratio of their total to the uncompressed entry's, the total bytes at the first evaluation
+that reached the target accuracy (``--target``; default: 95 % of the uncompressed FedAvg's — FPFC's on
+S1 — final accuracy), and whether the run was stable (FINISHED; a diverged run ends FAILED).
 
 MLflow: a parent run with the table (CSV, Markdown), one plot per scenario of test accuracy vs
-cumulative uplink bytes (``plots/accuracy_vs_uplink_<scenario>.png``) and each entry's headline
+cumulative total bytes (``plots/accuracy_vs_uplink_<scenario>.png``) and each entry's headline
 metrics; one child run per entry (per-round metrics, config, its own plots). ``--quick`` shrinks
 everything (6,000 Fashion-MNIST samples, 10 clients, 10 rounds; S1 with 20 devices and 40 rounds)
 to run in a few minutes.
@@ -40,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pfl.schema import ConfigError  # noqa: E402
 from pfl.tracking import run_hint  # noqa: E402
 
-#: compression.* settings of the compressor columns (label → dotted overrides)
+#: compression.* settings of the compressor rows (label → dotted overrides): uplink, downlink, both
 COMPRESSORS: dict[str, dict] = {
     "none": {},
     "fp16": {"compression.uplink": {"name": "fp16"}},
@@ -51,6 +54,15 @@ COMPRESSORS: dict[str, dict] = {
     "topk_1_ef": {"compression.uplink": {"name": "topk", "ratio": 0.01}, "compression.error_feedback": True},
     "sign_ef": {"compression.uplink": {"name": "sign", "scaled": True}, "compression.error_feedback": True},
 }
+DOWNLINK: dict[str, dict] = {f"down_{label}": {"compression.downlink": spec} for label, spec in {
+    "fp16": {"name": "fp16"}, "qsgd_s1": {"name": "qsgd", "s": 1}, "qsgd_s7": {"name": "qsgd", "s": 7},
+    "terngrad": {"name": "terngrad"}, "randk_10": {"name": "randk", "ratio": 0.1},
+    "topk_10": {"name": "topk", "ratio": 0.1}, "sign": {"name": "sign", "scaled": True}}.items()}
+#: both directions: an uplink label + a downlink label
+BOTH = [("topk_1_ef", "down_sign"), ("topk_1_ef", "down_qsgd_s7"), ("topk_1_ef", "down_topk_10"),
+        ("sign_ef", "down_sign"), ("qsgd_s1", "down_qsgd_s7")]
+COMPRESSORS.update(DOWNLINK)
+COMPRESSORS.update({f"{up}+{down}": {**COMPRESSORS[up], **DOWNLINK[down]} for up, down in BOTH})
 
 #: scenario → (scenario name, overrides, quick overrides)
 SCENARIOS: dict[str, tuple[str, dict, dict]] = {
@@ -68,13 +80,16 @@ SEMINAR: dict[str, dict] = {
     "marina/randk_10": {"method.name": "marina", "compression.uplink": {"name": "randk", "ratio": 0.1},
                         "federation.clients_per_round": 0, "federation.lr": 0.5, "rounds_x": 10},
     "lag/none": {"method.name": "lag"},
+    "lag/qsgd_s7": {"method.name": "lag", "compression.uplink": {"name": "qsgd", "s": 7}},
     "l2gd/none": {"method.name": "l2gd"},
     "fedpd/none": {"method.name": "fedpd", "federation.clients_per_round": 0},
+    "fedpd/topk_1_ef": {"method.name": "fedpd", "federation.clients_per_round": 0,
+                        "compression.uplink": {"name": "topk", "ratio": 0.01}, "compression.error_feedback": True},
     "fedsplit/none": {"method.name": "fedsplit"},
 }
 
 #: (method, scenario) pairs crossed with every compressor
-CROSSED = [("fedavg", "fmnist"), ("fedprox", "fmnist"), ("scaffold", "fmnist"), ("fpfc", "s1")]
+CROSSED = [("fedavg", "fmnist"), ("scaffold", "fmnist"), ("fpfc", "s1")]
 #: the entry whose final accuracy sets each scenario's default target
 REFERENCE = {"fmnist": "fedavg/none", "s1": "fpfc/none"}
 
@@ -125,8 +140,8 @@ def build_configs(chosen, quick: bool, overrides: list[str], track: bool) -> dic
 
 
 def curve(history: list[dict]) -> list[tuple[float, float]]:
-    """(cumulative uplink bytes, test accuracy) at every evaluation."""
-    return [(h["comm/up_bytes"], h["test/acc_mean"]) for h in history if "test/acc_mean" in h]
+    """(cumulative training bytes, uplink and downlink, test accuracy) at every evaluation."""
+    return [(h["comm/total_bytes"], h["test/acc_mean"]) for h in history if "test/acc_mean" in h]
 
 
 def bytes_to_target(points: list[tuple[float, float]], target: float) -> float:
@@ -153,9 +168,9 @@ def plot_curves(curves: dict[str, list[tuple[float, float]]], targets: dict[str,
     if scenario in targets and targets[scenario] == targets[scenario]:
         ax.axhline(targets[scenario], color="grey", lw=0.8, ls=":", label="target")
     ax.set_xscale("log")
-    ax.set_xlabel("cumulative uplink (MiB, log scale)")
+    ax.set_xlabel("cumulative uplink + downlink (MiB, log scale)")
     ax.set_ylabel("test accuracy")
-    ax.set_title(f"accuracy vs uplink bytes — {SCENARIOS[scenario][0]}")
+    ax.set_title(f"accuracy vs bytes — {SCENARIOS[scenario][0]}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
@@ -170,14 +185,17 @@ def format_table(rows: list[dict]) -> str:
     def pct(v):
         return "–" if v != v else f"{100 * v:.2f}"
 
-    lines = ["| entry | scenario | test acc | Δ acc (pt) | uplink | uplink ratio | uplink to target | rounds |",
-             "|" + "---|" * 8]
+    lines = ["| entry | scenario | test acc | Δ acc (pt) | uplink | downlink | total ratio | total to target | "
+             "stable | rounds |", "|" + "---|" * 10]
     for r in rows:
         delta = "–" if r["acc_delta"] != r["acc_delta"] else f"{100 * r['acc_delta']:+.2f}"
-        ratio = "–" if r["up_ratio"] != r["up_ratio"] else f"1/{1 / r['up_ratio']:.1f}" if r["up_ratio"] else "0"
-        target = "not reached" if r["up_to_target"] != r["up_to_target"] else format_bytes(r["up_to_target"])
+        ratio = r["total_ratio"]
+        ratio = "–" if ratio != ratio else f"1/{1 / ratio:.1f}" if ratio else "0"
+        target = "not reached" if r["to_target"] != r["to_target"] else format_bytes(r["to_target"])
+        stable = "yes" if r["status"] == "FINISHED" else f"no ({r['status']})"
         lines.append(f"| {r['entry']} | {r['scenario']} | {pct(r['test_acc'])} | {delta} | "
-                     f"{format_bytes(r['up_bytes'])} | {ratio} | {target} | {r['rounds']} |")
+                     f"{format_bytes(r['up_bytes'])} | {format_bytes(r['down_bytes'])} | {ratio} | {target} | "
+                     f"{stable} | {r['rounds']} |")
     return "\n".join(lines)
 
 
@@ -207,6 +225,7 @@ def run(only: list[str] | None = None, quick: bool = False, overrides: list[str]
     rows, curves = [], {s: {} for s in SCENARIOS}
     finals: dict[str, float] = {}
     ups: dict[str, float] = {}
+    totals: dict[str, float] = {}
     for label, scenario, comp, _ in chosen:
         cfg = configs[label]
         key = _data_key(cfg)
@@ -219,6 +238,7 @@ def run(only: list[str] | None = None, quick: bool = False, overrides: list[str]
         f = summary.final
         finals[label] = f.get("test/acc_mean", math.nan)
         ups[label] = f.get("comm/up_bytes", math.nan)
+        totals[label] = f.get("comm/total_bytes", math.nan)
         curves[scenario][label] = curve(summary.history)
         rows.append({"entry": label, "scenario": SCENARIOS[scenario][0], "method": cfg.method.name,
                      "compressor": comp, "error_feedback": cfg.compression.error_feedback,
@@ -236,9 +256,10 @@ def run(only: list[str] | None = None, quick: bool = False, overrides: list[str]
             base = REFERENCE[scenario]
         row["baseline"] = base if base in finals else ""
         row["up_ratio"] = ups[label] / ups[base] if base in ups and ups[base] else math.nan
+        row["total_ratio"] = totals[label] / totals[base] if base in totals and totals[base] else math.nan
         row["acc_delta"] = finals[label] - finals[base] if base in finals else math.nan
         row["target"] = targets[scenario]
-        row["up_to_target"] = bytes_to_target(curves[scenario][label], targets[scenario])
+        row["to_target"] = bytes_to_target(curves[scenario][label], targets[scenario])
         safe = label.replace("/", ".")
         parent.log_metrics({f"{safe}.test_acc": row["test_acc"], f"{safe}.up_bytes": row["up_bytes"]})
     text = format_table(rows)
