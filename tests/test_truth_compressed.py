@@ -293,3 +293,14 @@ def test_l2gd_with_lambda_sampling_and_a_newcomer_by_hand(problem):
         assert close(vec(sim.client_states[i]["x"]), x[i], 1e-4)
     assert close(vec(sim.client_states[sim.ctx.newcomers[0]]["x"]), init)   # never trained
 
+
+
+def test_every_training_client_in_every_round_is_full_participation_with_newcomers(problem):
+    """Issue 25, problem 4: with 1 newcomer among 5 clients, 4 clients per round is everyone who trains —
+    ADIANA (which needs every client) accepts it and DIANA keeps only the mean shift."""
+    sim, _ = run(problem, "adiana", steps=1, lr=0.1, per_round=4, newcomers__fraction=0.2)
+    assert len(sim.ctx.members) == 4
+    diana, _ = run(problem, "diana", per_round=4, newcomers__fraction=0.2, compression__uplink=RANDK)
+    assert not diana.method.per_client
+    with pytest.raises(ConfigError, match="federation.clients_per_round"):
+        run(problem, "adiana", steps=1, lr=0.1, per_round=3, newcomers__fraction=0.2)
