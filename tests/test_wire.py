@@ -121,12 +121,14 @@ def test_the_unscaled_replica_rule_drifts_with_an_unbiased_compressor():
 
 # ---- problem 2: error feedback's memory --------------------------------------------------------------
 
-@pytest.mark.parametrize("spec", SPECS, ids=IDS)
+EF_SPECS = [(s, i) for s, i in zip(SPECS, IDS)
+            if s["name"] == "identity" or not build(resolve_spec(s, "compression.uplink")).unbiased]
+
+
+@pytest.mark.parametrize("spec", [s for s, _ in EF_SPECS], ids=[i for _, i in EF_SPECS])
 def test_error_feedback_keeps_the_sum_of_what_was_sent_within_the_bound(spec):
     """Σ decoded = Σ u − e_T (the memory telescopes), and e_T stays within the contraction bound of the
-    per-round update u — for the unbiased compressors too (they run as C/(1+ω) under error feedback)."""
-    if spec["name"] == "sign" and spec.get("scaled") is False:
-        pytest.skip("refused (test below)")
+    per-round update u, for every compressor error feedback accepts (the biased ones, and identity)."""
     codec, client, step = _codec(up=spec, error_feedback=True), _Client(), 0.01
     total_u = torch.zeros(D)
     total_sent = torch.zeros(D)
@@ -212,8 +214,9 @@ def test_an_uplink_model_is_the_change_to_the_downlink_part_it_declares():
     down = Message.of({"cluster0": Model({"w": c0}), "cluster1": Model({"w": c1})})
     phase = Phase("train", 0)
     notes: dict = {}
-    received = codec.receive_down(phase, client, codec.send_down(phase, 3, down.copy()).copy(), notes)
-    record = codec.sent(phase, 3, received)
+    delivered = codec.send_down(phase, 3, down.copy())
+    record = codec.sent(phase, 3, delivered)
+    codec.receive_down(phase, client, delivered.copy(), notes)
     trained = c1 + torch.tensor([5.0, 0, 0, -3, 0, 0.1, 0, 2])
     reply = Message.of({"model": Model({"w": trained}, base="cluster1"),
                         "choice": Scalars({"k": torch.tensor([1])})})
@@ -225,6 +228,28 @@ def test_an_uplink_model_is_the_change_to_the_downlink_part_it_declares():
     topk[idx] = change[idx]
     got = codec.receive_up(phase, 3, sent.copy(), record).tensors("model")["w"]
     assert torch.equal(got, c1 + topk)
+
+
+@pytest.mark.parametrize("up", [None, {"name": "identity"}])
+def test_a_trained_model_is_rebased_on_what_the_server_meant_to_send(up):
+    """Lossy downlink: the client holds r ≠ x and trains y from it. A model declared trained from the
+    part (``base``) reaches the server as x + (y − r), the client's change on the server's own model
+    (the replica's error stays with the client); one only compared with it (``ref``) as y itself."""
+    codec, client = _codec(up=up, down={"name": "topk", "ratio": 0.5}), _Client()
+    x0, x1 = torch.zeros(6), torch.tensor([4.0, -3.0, 2.0, 1.0, 0.5, -0.25])
+    for rnd, x in enumerate((x0, x1)):
+        phase = Phase("train", rnd)
+        notes: dict = {}
+        delivered = codec.send_down(phase, 0, Message.model({"w": x}))
+        record = codec.sent(phase, 0, delivered)          # the server's record, before the client works
+        got = codec.receive_down(phase, client, delivered.copy(), notes)
+    r = got.tensors()["w"]
+    assert torch.equal(r, torch.tensor([4.0, -3.0, 2.0, 0.0, 0.0, 0.0]))       # top-3 of x1 − x0
+    y = r + torch.tensor([0.1, 0.2, -0.3, 0.4, -0.5, 0.6])
+    reply = Message.of({"trained": Model({"w": y}, base="model"), "own": Model({"w": y.clone()}, ref="model")})
+    out = codec.receive_up(phase, 0, codec.send_up(phase, client, reply, notes).copy(), record)
+    assert torch.allclose(out.tensors("trained")["w"], x1 + (y - r))
+    assert torch.allclose(out.tensors("own")["w"], y)
 
 
 def test_an_uplink_model_without_a_base_in_the_trip_stops_the_run_naming_the_part():
@@ -322,6 +347,9 @@ def test_the_methods_that_encode_their_own_uplink_can_be_attacked(name):
     ({"compression__downlink": {"name": "sign", "scaled": False}}, "compression.downlink.scaled"),
     ({"compression__uplink": {"name": "sign", "scaled": False}, "compression__error_feedback": True},
      "compression.uplink.scaled"),
+    ({"compression__uplink": {"name": "randk", "ratio": 0.1}, "compression__error_feedback": True},
+     "compression.error_feedback"),
+    ({"compression__uplink": {"name": "qsgd"}, "compression__error_feedback": True}, "compression.error_feedback"),
     ({"method__name": "marina", "compression__downlink": {"name": "qsgd"}}, "compression.downlink.name"),
     ({"method__name": "adiana", "compression__downlink": {"name": "topk"}}, "compression.downlink.name"),
     ({"method__name": "lag", "compression__downlink": {"name": "fp16"}}, "compression.downlink.name"),
@@ -350,17 +378,23 @@ RUN = dict(data__source="digits", data__num_clients=10, federation__rounds=30, f
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", [s for s in SPECS if s["name"] != "identity"], ids=IDS[1:])
 def test_a_30_round_digits_run_with_a_compressed_downlink_does_not_diverge(spec):
-    """Issue 25's reproduction (FedAvg, digits, 10 clients, 30 rounds) with every compressor on the
-    downlink: it finishes, and learns (chance is 10 %)."""
+    """Issue 25's reproduction (FedAvg, digits, 10 clients, 30 rounds; rand-k 10 % diverged at round 8)
+    with every compressor on the downlink: every round's loss is finite, the last below the first, and
+    the model is better than chance (10 %). How fast it learns depends on δ (measured: top-k 10 % 85 %,
+    scaled sign 82 %, QSGD s = 7 74 %, rand-k 10 % 28 %, QSGD s = 1 21 %; dense 88 %)."""
     sim = Simulator(small_config(**RUN, compression__downlink=spec))
-    last = run_rounds(sim)[-1]
-    assert math.isfinite(last["train/loss"]) and last["test/acc_mean"] > 0.3, last["test/acc_mean"]
+    history = run_rounds(sim)
+    losses = [h["train/loss"] for h in history]
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
+    assert history[-1]["test/acc_mean"] > 0.15, history[-1]["test/acc_mean"]
 
 
 @pytest.mark.slow
-def test_error_feedback_with_rand_k_learns():
-    """Issue 25's second reproduction: rand-k 10 % with error feedback fell to 11 % by round 3."""
-    sim = Simulator(small_config(**RUN, compression__uplink={"name": "randk", "ratio": 0.1},
-                                 compression__error_feedback=True))
+def test_rand_k_learns_without_error_feedback_and_refuses_it():
+    """Issue 25's second reproduction (rand-k 10 % + error feedback fell to 11 % by round 3): refused
+    before training; rand-k alone, unbiased, learns."""
+    with pytest.raises(ConfigError, match="compression.error_feedback"):
+        small_config(**RUN, compression__uplink={"name": "randk", "ratio": 0.1}, compression__error_feedback=True)
+    sim = Simulator(small_config(**RUN, compression__uplink={"name": "randk", "ratio": 0.1}))
     last = run_rounds(sim)[-1]
-    assert math.isfinite(last["train/loss"]) and last["test/acc_mean"] > 0.6, last["test/acc_mean"]
+    assert math.isfinite(last["train/loss"]) and last["test/acc_mean"] > 0.8, last["test/acc_mean"]

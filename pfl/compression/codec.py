@@ -187,6 +187,8 @@ class Codec(Stage):
         self.down = None if down is None else contractive(down)
         self.down_values = down               # parts the receiver does not keep: compressed as values
         self.mirrors: dict[int, Params] = {}  # server: what each client's replicas hold (downlink)
+        # server: the values it meant to send, for the encoded tensors of a trip not yet completed
+        self.pending: dict[int, Params] = {}
         self._flushed = [0, 0]                # this round: non-zeros sent as 0 by fp16/bf16, non-zeros
 
     @property
@@ -203,6 +205,7 @@ class Codec(Stage):
         if self.down is None:
             return msg
         mirror = self.mirrors.setdefault(cid, {})
+        meant = self.pending.setdefault(cid, {})
         gen = self._gen(phase.rnd, cid, "down")
         parts: dict[str, Part] = {}
         for pname, part in msg.parts.items():
@@ -227,6 +230,7 @@ class Codec(Stage):
                     enc, _ = encode_update(self.down, {key: t}, {key: ref}, gen, self.min_numel, flushed=self._flushed)
                     entries[name] = enc[key]
                     mirror[key] = ref + enc[key].decoded
+                    meant[key] = t
             parts[pname] = part.replace(entries)
         return msg.replace(parts)
 
@@ -256,11 +260,11 @@ class Codec(Stage):
                                  for p, part in msg.parts.items()}
         return msg
 
-    def sent(self, phase: Phase, cid: int, msg: Message) -> dict[str, Params] | None:
-        """What the client decoded from ``msg``, as the server knows it (its own copy): the
-        reference of the uplink models of this trip."""
-        if self.up is None:
-            return None
+    def sent(self, phase: Phase, cid: int, msg: Message) -> dict | None:
+        """The server's record of this trip: ``view``, what the client decoded from ``msg`` as the
+        server knows it (the reference of the uplink models), and ``meant``, the values it encoded
+        (the base a trained model's change is applied to)."""
+        meant = self.pending.pop(cid, {})
         mirror = self.mirrors.get(cid, {}) if self.down is not None else {}
         out: dict[str, Params] = {}
         for pname, part in msg.parts.items():
@@ -269,12 +273,14 @@ class Codec(Stage):
                 key = f"{pname}/{name}"
                 if part.held and isinstance(e, Encoded):
                     view[name] = mirror[key]
+                elif self.up is None:  # nothing to decode: only the encoded tensors are rebased
+                    continue
                 elif isinstance(e, torch.Tensor):
                     view[name] = e.detach().clone()
                 else:
                     view[name] = e.dense().detach().clone()
             out[pname] = view
-        return out
+        return {"view": out, "meant": meant}
 
     # ---- uplink --------------------------------------------------------------------------------
     def send_up(self, phase: Phase, client: "ClientHandle", msg: Message, notes: dict) -> Message:
@@ -296,27 +302,41 @@ class Codec(Stage):
         return msg.replace(parts)
 
     def base(self, pname: str, part: Model, received: Mapping[str, Params]) -> Params:
-        """The tensors an uplink model part is a change of: its declared base part, as decoded."""
-        ref = received.get(part.base) if part.base is not None else None
+        """The tensors an uplink model part is sent as a change of: the downlink part it declares
+        (``base`` or ``ref``), as the client decoded it."""
+        name = part.base or part.ref
+        ref = received.get(name) if name is not None else None
         if ref is None:
-            raise RuntimeError(f"uplink part {pname!r} is a Model whose base {part.base!r} is not a part of this "
+            raise RuntimeError(f"uplink part {pname!r} is a Model whose base {name!r} is not a part of this "
                                f"trip's downlink ({sorted(received)}); a model must name the downlink part it "
-                               "started from (or be sent as an Update)")
+                               "started from or is close to (or be sent as an Update)")
         missing = [k for k, t in part.entries.items()
                    if compressible(t, self.min_numel) and not has_reference(t, ref.get(k))]
         if missing:
             raise RuntimeError(f"uplink part {pname!r}: entries {missing} have no tensor of the same shape in its "
-                               f"base part {part.base!r}")
+                               f"base part {name!r}")
         return ref
 
-    def receive_up(self, phase: Phase, cid: int, msg: Message, sent: dict[str, Params] | None) -> Message:
-        """Server side: every encoded tensor reconstructed (a model's with the server's record of its base)."""
-        if self.up is None:
-            return msg
+    def receive_up(self, phase: Phase, cid: int, msg: Message, sent: dict | None) -> Message:
+        """Server side: every encoded tensor reconstructed; a model trained from a part this trip
+        carried compressed (its ``base``) is the client's change applied to what the server meant to
+        send (the replica's error stays with the client: the server's model is never its copy)."""
+        sent = sent or {"view": {}, "meant": {}}
         parts: dict[str, Part] = {}
         for pname, part in msg.parts.items():
-            ref = (sent or {}).get(part.base) if isinstance(part, Model) and part.base is not None else None
-            parts[pname] = part.replace(decode_update(part.entries, ref))
+            rebase = isinstance(part, Model) and part.base is not None
+            if self.up is None and not rebase:
+                parts[pname] = part
+                continue
+            ref_name = (part.base or part.ref) if isinstance(part, Model) else None
+            view = sent["view"].get(ref_name, {}) if ref_name is not None else {}
+            values = decode_update(part.entries, view) if self.up is not None else part.tensors()
+            if rebase:
+                for name in values:
+                    meant = sent["meant"].get(f"{part.base}/{name}")
+                    if meant is not None and name in view:
+                        values[name] = meant + (values[name] - view[name])
+            parts[pname] = part.replace(values)
         return msg.replace(parts)
 
     # ---- state and metrics ---------------------------------------------------------------------
@@ -330,10 +350,18 @@ class Codec(Stage):
         return out
 
     def state_dict(self) -> dict:
-        return {"mirrors": {int(c): dict(m) for c, m in self.mirrors.items()}} if self.down is not None else {}
+        if self.down is None:
+            return {}
+        out: dict = {"mirrors": {int(c): dict(m) for c, m in self.mirrors.items()}}
+        pending = {int(c): dict(m) for c, m in self.pending.items() if m}
+        if pending:  # trips in flight (the asynchronous driver): the values they were meant to carry
+            out["pending"] = pending
+        return out
 
     def load_state_dict(self, state: dict) -> None:
-        self.mirrors = {int(c): dict(m) for c, m in (state or {}).get("mirrors", {}).items()}
+        state = state or {}
+        self.mirrors = {int(c): dict(m) for c, m in state.get("mirrors", {}).items()}
+        self.pending = {int(c): dict(m) for c, m in state.get("pending", {}).items()}
 
 
 def codec_stage(cfg, ctx, method: "Method") -> Stage | None:

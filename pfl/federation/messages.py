@@ -9,8 +9,11 @@ kind        what it is, and how compression treats it (:mod:`pfl.compression.cod
 ==========  =====================================================================================
 ``Model``   model parameters, or a model-shaped quantity the receiver keeps (a pull target, a
             shared body). Downlink: sent as the change to the copy the client already holds (its
-            replica of this part). Uplink: sent as the change to the downlink part it started from,
-            named by ``base`` (FedAvg: ``base="model"``; IFCA: the cluster it picked).
+            replica of this part). Uplink: sent as the change to a downlink part of its trip — the
+            one it was trained from, ``base`` (FedAvg: ``base="model"``; IFCA: the cluster it
+            picked), and the server applies that change to what it meant to send; or, for a model
+            the client keeps on its own (FPFC's w_i, FedSplit's z_j), one it is close to, ``ref``,
+            and the server gets the client's value.
 ``State``   a state or control variate the receiver keeps (SCAFFOLD's c, a data basis).
             Downlink: as a change to the client's replica, like ``Model``; uplink: its values.
 ``Update``  a change (SCAFFOLD's Δy and Δc, CFL's Δθ, a method's own encoded difference): its values.
@@ -160,9 +163,11 @@ class Part:
 @checkpointable
 @dataclass
 class Model(Part):
-    """Model parameters (module docstring). ``base``: on an uplink, the name of the downlink part of
-    this trip the model started from (compression sends the change to it)."""
+    """Model parameters (module docstring). On an uplink, ``base``: the downlink part of this trip the
+    model was trained from (its change is sent and applied to the server's own copy of that part);
+    ``ref``: a downlink part it is only compared with (its change is sent, its value received)."""
     base: str | None = None
+    ref: str | None = None
     kind: ClassVar[str] = "model"
     held: ClassVar[bool] = True
 

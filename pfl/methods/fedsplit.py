@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..aggregation import weighted_average
-from ..federation.messages import Message
+from ..federation.messages import Message, Model
 from ..schema import hp
 from ..training import Params, ProxPull
 from . import register
@@ -79,8 +79,8 @@ class FedSplit(Method):
             return result.params
 
         client.state["z"] = fedsplit_reflect(client.state["z"], xbar, prox)
-        # z_j is sent as a change to the x̄ it was reflected about (compression)
-        return Message.model(client.state["z"], base="xbar", train_loss=losses[0], n=client.n_train)
+        # z_j is the client's own point, sent as the change to the x̄ it was reflected about
+        return Message.of({"z": Model(client.state["z"], ref="xbar")}, train_loss=losses[0], n=client.n_train)
 
     def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
         if not replies:

@@ -295,8 +295,9 @@ class FPFC(FPFCJoin, Method):
         # the augmented-Lagrangian pull ρ(w − ζ_i), on the clustered parameters only (none when alone)
         result = client.train(start, rnd, grad_hook=PullTo(target, rho) if pull else None, tag=tag)
         client.state["w"] = {k: result.params[k] for k in self.clustered}
-        # the clustered layers trained against ζ_i, the body from the received body
-        parts = {"w": Model({k: result.params[k] for k in self.clustered}, base="zeta")}
+        # the clustered layers are the device's own w_i, pulled towards ζ_i (sent as the change to it);
+        # the body was trained from the received body
+        parts = {"w": Model({k: result.params[k] for k in self.clustered}, ref="zeta")}
         if self.shared:
             parts["body"] = Model({k: result.params[k] for k in self.shared}, base="body")
         return Message.of(parts, n=client.n_train, train_loss=result.mean_loss)

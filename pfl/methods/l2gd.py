@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..aggregation import weighted_average
-from ..federation.messages import Message
+from ..federation.messages import Message, Model
 from ..schema import ConfigError, hp
 from ..training import Params
 from . import register
@@ -115,7 +115,8 @@ class L2GD(Method):
         steps, _ = self.counts(rnd)
         result = client.train(x, rnd, steps=steps)
         client.state["x"] = result.params
-        return Message.model(result.params, base="xbar", train_loss=result.mean_loss, n=client.n_train)
+        # x_i is the client's own model (only its local steps start from x̄'s averaging): its value
+        return Message.of({"x": Model(result.params, ref="xbar")}, train_loss=result.mean_loss, n=client.n_train)
 
     def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
         b, a = self.counts(rnd)
