@@ -53,7 +53,7 @@ CONFIGS = {
 # mapped back to the old layout, those states hash to the old digests 48c89ebc… and 397db612…
 DIGESTS = {
     "fedala_fmnist": ("d56731c8b12651269fe8e889", "7645c05184f23663282c2884"),
-    "fpfc_async": ("2d181acd04cb679fc490b08a", "3e3133be687264cb130624e7"),
+    "fpfc_async": ("2d181acd04cb679fc490b08a", "34431ee133cfb6bd6917866d"),
     "fpfc_s1": ("c85b6f8ce2ee20f4b9e68d8d", "386c05d75787f46e5899549e"),
     "scaffold_digits": ("878134501489c8f3bb3a923a", "99066d39e6b1e359be420097"),
 }
