@@ -17,19 +17,21 @@ C(x − h) and both sides set h ← h + α·C(x − h), with α = 1 for a contra
 α = 1/(1 + ω) for an unbiased one (ω of that tensor, :meth:`Compressor.omega`). That is the
 *contractive form* C' of the compressor (:func:`~pfl.compression.compressors.contractive`): E‖v −
 C'(v)‖² ≤ (1 − δ)‖v‖² with δ > 0, so the replica's error obeys e⁺ = (e + Δ) − C'(e + Δ) and stays
-within a bound set by how far x moves per round (docs/methods/compression.md §"Downlink"). With the
+within a bound set by how far x moves per round (docs/methods/compression.md §0b). With the
 unscaled unbiased C the same recursion multiplies the error by up to √ω per round and diverges. The
 first time a tensor reaches a client (no replica yet, or another shape) it is sent dense. Parts the
 receiver does not keep (``Update``, ``Logits``) are compressed as values, message by message.
 
-**Uplink.** A ``Model`` part declares ``base``, the downlink part it started from: each tensor is sent
-as C(trained − received), the client's decoded copy of that part, and the server adds its own
-record of what the client decoded (a method bug — no ``base``, or a base this trip did not carry —
-stops the run naming the part). Every other part is compressed as its values. With
-``compression.error_feedback`` the client keeps a memory e per tensor in its state
-(``client.state["compression"]["ef"]``): it sends C'(u + e) and keeps e ← u + e − C'(u + e), with
-the contractive form C' again (the error-feedback analyses assume a contractive compressor; for an
-unbiased C, C/(1 + ω) is one).
+**Uplink.** A ``Model`` part names the downlink part of its trip it relates to, and each tensor is
+sent as C(y − r), r the client's decoded copy of that part (a method bug — neither named, or a part
+this trip did not carry — stops the run naming the part). ``base`` (trained from it): the server
+applies the change to what it *meant* to send, x + (y − r) — with a lossy downlink the replica's
+error stays with the client and never enters the server's model. ``ref`` (a model the client keeps
+on its own, only compared with the part): the server reconstructs the client's value, r + (y − r).
+Without downlink compression r = x and the two agree. Every other part is compressed as its values.
+With ``compression.error_feedback`` the client keeps a memory e per tensor in its state
+(``client.state["compression"]["ef"]``): it sends C(u + e) and keeps e ← u + e − C(u + e); the
+checks (:mod:`.checks`) allow it for contractive compressors only (and identity).
 
 **Randomness.** Every encoding draws from a generator seeded by (run seed, round, client,
 direction, part/tensor), so runs are reproducible and a resumed run continues exactly.
