@@ -3,6 +3,7 @@
 Layout (YAML)::
 
     seed: 0
+    plugins: [my_method.py]                           # own methods/models (pfl/plugins.py)
     data: {source: digits, num_clients: 20, partition: {kind: dirichlet, alpha: 0.5}, ...}
     model: {name: auto, params: {}}
     method: {name: fedavg, <that method's hyperparameters>}
@@ -69,8 +70,13 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    name: str = hp("auto", "model (see `pfl methods --models`); 'auto' picks the source's default")
-    params: dict = hp(default_factory=dict, doc="model-specific parameters")
+    name: str = hp("auto", "model (see `pfl methods --models`); 'auto' picks the source's default; your own: "
+                           "'path/to/file.py:ClassName' or 'package.module:factory' (docs/your-data.md)")
+    params: dict = hp(default_factory=dict, doc="model-specific parameters (your own model: its keyword arguments)")
+    head: list[str] | None = hp(None, "parameter-name prefixes of the head, for the methods that split body and "
+                                      "head (LG-FedAvg, FedRep-style partial sharing, FedSLR, PerFed-CKT, FPFC's head "
+                                      "scope); null = the model's last layer (your own model: its last nn.Linear, "
+                                      "filled in when the config is resolved)")
 
 
 @dataclass
@@ -189,13 +195,14 @@ class CompressionConfig:
     min_numel: int = hp(256, "tensors with fewer entries are sent dense (biases, norms)", low=0)
 
 
-SECTIONS = ("seed", "data", "model", "method", "federation", "tracking", "compression", "attack",
+SECTIONS = ("seed", "plugins", "data", "model", "method", "federation", "tracking", "compression", "attack",
             "newcomers")
 
 
 @dataclass
 class ExperimentConfig:
     seed: int = 0
+    plugins: list[str] = dataclasses.field(default_factory=list)  # pfl/plugins.py: own methods, models
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     method: MethodConfig = dataclasses.field(default_factory=MethodConfig)
@@ -208,6 +215,7 @@ class ExperimentConfig:
     def to_dict(self) -> dict:
         return {
             "seed": self.seed,
+            "plugins": list(self.plugins),
             "data": to_dict(self.data),
             "model": to_dict(self.model),
             "method": self.method.to_dict(),

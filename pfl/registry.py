@@ -9,7 +9,7 @@ demand (``base+plugin`` method names).
 
 from __future__ import annotations
 
-from typing import Callable, Generic, Iterator, TypeVar
+from typing import Callable, ClassVar, Generic, Iterator, TypeVar
 
 from .schema import ConfigError, did_you_mean
 
@@ -17,6 +17,9 @@ T = TypeVar("T")
 
 
 class Registry(Generic[T]):
+    #: every registry made, in order (plugins snapshot them all and restore them when one fails)
+    instances: ClassVar[list["Registry"]] = []
+
     def __init__(self, what: str, field: str, *, also: tuple[str, ...] = (), sort: bool = False,
                  load: Callable[[], None] | None = None, missing: Callable[[str], T | None] | None = None):
         self.what = what            # "data source", "model", ...
@@ -26,12 +29,22 @@ class Registry(Generic[T]):
         self._load = load
         self._missing = missing
         self._entries: dict[str, T] = {}
+        Registry.instances.append(self)
 
     def register(self, name: str, entry: T, replace: bool = False) -> T:
         if not replace and name in self._entries and self._entries[name] is not entry:
             raise ValueError(f"{self.what} {name!r} is already registered")
         self._entries[name] = entry
         return entry
+
+    def snapshot(self) -> dict[str, T]:
+        """The entries as they are now (built-ins loaded first), for :meth:`restore`."""
+        return dict(self._loaded())
+
+    def restore(self, entries: dict[str, T]) -> None:
+        """Back to a :meth:`snapshot`: entries registered since are forgotten."""
+        self._entries.clear()
+        self._entries.update(entries)
 
     def remove(self, name: str) -> None:
         """Forget ``name`` (an entry registered for a while, e.g. by a test)."""

@@ -24,6 +24,7 @@ from .federation import attacks  # noqa: F401  (registers the attack stage)
 from .federation.wire import stage_names
 from .methods import get_method, list_methods, resolve_method_config
 from .models import resolve_model_config
+from .plugins import load_plugins
 from .schema import ConfigError, flatten, from_dict, unknown_key_error
 
 
@@ -33,11 +34,12 @@ def resolve(raw: dict | None) -> ExperimentConfig:
     for key in raw:
         if key not in SECTIONS:
             raise unknown_key_error(key, SECTIONS, "")
-        if key != "seed" and raw[key] is not None and not isinstance(raw[key], dict):
+        if key not in ("seed", "plugins") and raw[key] is not None and not isinstance(raw[key], dict):
             raise ConfigError(key, f"expected a mapping of {key} settings, got {raw[key]!r}")
     seed = raw.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ConfigError("seed", f"expected a non-negative integer, got {seed!r}")
+    plugins = load_plugins(raw.get("plugins"))  # first: they may register methods, models, sources
     data = from_dict(DataConfig, raw.get("data"), "data")
     resolve_data_config(data)
     model = from_dict(ModelConfig, raw.get("model"), "model")
@@ -52,7 +54,7 @@ def resolve(raw: dict | None) -> ExperimentConfig:
     resolve_compression(compression)
     attack = from_dict(AttackConfig, raw.get("attack"), "attack")
     newcomers = from_dict(NewcomersConfig, raw.get("newcomers"), "newcomers")
-    cfg = ExperimentConfig(seed=seed, data=data, model=model, method=method, federation=federation,
+    cfg = ExperimentConfig(seed=seed, plugins=plugins, data=data, model=model, method=method, federation=federation,
                            tracking=tracking, compression=compression, attack=attack, newcomers=newcomers)
     resolve_model_config(cfg)
     names = stage_names()
@@ -92,14 +94,18 @@ def with_overrides(cfg: ExperimentConfig, overrides: dict[str, Any] | list[str])
 
 
 def load(path: str | Path | None = None, overrides: list[str] | dict | None = None,
-         scenario: dict[str, Any] | None = None) -> ExperimentConfig:
+         scenario: dict[str, Any] | None = None, plugins: list[str] | None = None) -> ExperimentConfig:
     """Read a YAML file (or start from the defaults), apply overrides, validate.
 
-    ``scenario`` ({dotted key: value}) comes first; the file and then the overrides change it."""
+    ``scenario`` ({dotted key: value}) comes first; the file and then the overrides change it;
+    ``plugins`` (``--plugin``) are added to the config's."""
     raw = read_yaml(path) if path is not None else {}
     if scenario:
         raw = apply_overrides(apply_overrides({}, scenario), flatten(raw))
-    return resolve(apply_overrides(raw, overrides))
+    raw = apply_overrides(raw, overrides)
+    if plugins:
+        raw["plugins"] = list(raw.get("plugins") or []) + list(plugins)
+    return resolve(raw)
 
 
 __all__ = ["load", "resolve", "with_overrides"]

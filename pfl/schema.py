@@ -21,6 +21,7 @@ class ConfigError(ValueError):
 
     def __init__(self, field: str, message: str):
         self.field = field
+        self.message = message  # without the field, for errors that re-raise with more context
         super().__init__(f"{field}: {message}" if field else message)
 
 

@@ -56,7 +56,8 @@ def label_shares(fed: FederatedData) -> np.ndarray:
 
 def test_registry_lists_every_source_with_defaults():
     names = [s.name for s in list_sources()]
-    assert names == ["digits", "fmnist", "mnist", "cifar10", "cifar100", "fpfc_synthetic", "fpfc_linear"]
+    assert names[:7] == ["digits", "fmnist", "mnist", "cifar10", "cifar100", "fpfc_synthetic", "fpfc_linear"]
+    assert "files" in names  # a user's own data (tests/test_files_data.py)
     assert source_spec("fpfc_synthetic").default_model == "softmax_regression"
     assert source_spec("fpfc_synthetic").shape({}) == ((60,), 10)
     assert source_spec("fpfc_linear").shape({"num_features": 5}) == ((5,), 0)

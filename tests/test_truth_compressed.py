@@ -1,7 +1,6 @@
 """The seminar's methods with a real compressor, partial participation and newcomers: each method's
 own class in the simulator against the same algorithm computed by hand in numpy on a least-squares
-federation (tests/truth.py: full-batch steps, so every local step is exact). Complements
-tests/test_truth_wire.py (issue 32: the identity compressor and full participation).
+federation (tests/truth.py: full-batch steps, so every local step is exact).
 
 A compressed upload is random, so the test reads what was delivered (a recording stage at the end of
 the wire) and checks it against the definition: rand-k keeps at most k entries, each (d/k)× the value

@@ -58,8 +58,10 @@ def run_state(sim) -> dict:
         "format": CHECKPOINT_FORMAT,
         "config": sim.start_config,
         "model": sim.model_state(),
+        # the last evaluation's per-client rows: a run restored after its last round (cut off
+        # while it wrote its artifacts) still has its client table
         "run": {"executed": sim.executed, "elapsed": sim.elapsed, "history": sim.history,
-                "ledger": sim.ledger.state_dict()},
+                "ledger": sim.ledger.state_dict(), "client_table": sim.last_client_table},
     }
 
 
@@ -80,6 +82,7 @@ def load_run_state(sim, state: dict) -> None:
     sim.elapsed = float(run["elapsed"])
     sim.history = list(run["history"])
     sim.ledger.load_state_dict(run["ledger"])
+    sim.last_client_table = run.get("client_table")  # absent in checkpoints of earlier versions
 
 
 def save_checkpoint(sim, path: str | Path, extra: dict | None = None) -> Path:

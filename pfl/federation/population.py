@@ -16,8 +16,9 @@ from .context import RunContext
 
 
 class Population:
-    def __init__(self, ctx: RunContext):
+    def __init__(self, ctx: RunContext, client_ids: list[str] | None = None):
         self.ctx = ctx
+        self.client_ids = client_ids  # a natural partition's own id of each client (file sources)
         self.malicious: frozenset[int] = frozenset(malicious_clients(ctx.cfg, ctx.num_clients))
         self.newcomers: frozenset[int] = frozenset(ctx.newcomers)
 
@@ -42,7 +43,10 @@ class Population:
         return [r for r in rows if not r.get("malicious") and not r.get("newcomer")]
 
     def mark(self, row: dict) -> dict:
-        """A client's evaluation row with its ``malicious`` / ``newcomer`` columns (when the run has any)."""
+        """A client's evaluation row with its own id (natural partitions of file sources) and its
+        ``malicious`` / ``newcomer`` columns (when the run has any)."""
+        if self.client_ids is not None:
+            row["client_id"] = self.client_ids[row["client"]]
         if self.malicious:
             row["malicious"] = int(row["client"] in self.malicious)
         if self.newcomers:

@@ -31,6 +31,7 @@ from ..data import load_federated
 from ..evaluation import evaluate_plan, summarize
 from ..methods import ClientHandle, EvalPlan, Method, get_method
 from ..models import build_model
+from ..models.custom import prepare_model
 from ..schema import from_dict, to_dict
 from . import attacks  # noqa: F401  (registers the attack stage)
 from .cohort import DIRECT, Cohort, Compute, Sequential
@@ -72,9 +73,10 @@ class Simulator:
         torch.manual_seed(cfg.seed)  # only model construction; all later draws use derived generators
         model = build_model(cfg.model.name, cfg.model.params, self.data.input_shape,
                             self.data.num_classes).to(self.device)
+        model = prepare_model(model, cfg, self.data)  # buffers, output shape, model.head: one-line errors
         self.ctx = RunContext(cfg=cfg, meta=FederationMeta.of(self.data), model=model, device=self.device,
                               newcomers=newcomer_clients(cfg, len(self.data.clients)))
-        self.population = Population(self.ctx)
+        self.population = Population(self.ctx, self.data.client_ids)
         self.newcomers_joined = False          # the newcomers have joined (evaluated with everyone)
         self.join_result: dict | None = None   # their metrics, once joined
         method_cls = get_method(cfg.method.name)

@@ -17,7 +17,7 @@ from .base import GLOBAL, ClientHandle, EvalPlan, Method, NoHparams
 
 #: plugins compose with a base method by name: ``method.name=fedprox+ala`` is FedProx with ALA.
 #: A plugin is a function (base class) -> composed class (with merged Hparams).
-_PLUGINS: dict[str, object] = {}
+PLUGINS: Registry = Registry("method plug-in", "method.name", sort=True)
 
 
 def _load_all() -> None:
@@ -35,10 +35,10 @@ def _compose(name: str) -> type[Method] | None:
     if base_name not in METHODS:
         raise ConfigError("method.name", f"unknown base method {base_name!r} in {name!r}; "
                                          f"allowed: {', '.join(METHODS.names())}")
-    if plugin not in _PLUGINS:
+    if plugin not in PLUGINS:
         raise ConfigError("method.name", f"unknown plugin {plugin!r} in {name!r}; "
-                                         f"allowed: {', '.join(sorted(_PLUGINS)) or '(none)'}")
-    cls = _PLUGINS[plugin](METHODS.get(base_name))
+                                         f"allowed: {', '.join(PLUGINS.names()) or '(none)'}")
+    cls = PLUGINS.get(plugin)(METHODS.get(base_name))
     cls.name = name
     return cls
 
@@ -48,7 +48,7 @@ METHODS: Registry[type[Method]] = Registry("method", "method.name", sort=True, l
 
 def register_plugin(name: str, compose) -> None:
     """Register ``compose(base_cls) -> cls`` so that ``<base>+<name>`` is a method name."""
-    _PLUGINS[name] = compose
+    PLUGINS.register(name, compose, replace=True)
 
 
 def register(cls: type[Method]) -> type[Method]:

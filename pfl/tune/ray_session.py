@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..schema import ConfigError
-from ..tracking import export_environment
+from ..tracking import worker_environment
 
 log = logging.getLogger(__name__)
 
@@ -71,16 +71,19 @@ def _reload_auth_settings() -> None:
         log.debug("could not reload Ray's auth settings: %s", err)
 
 
-def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
+def init_ray(address: str | None = None, num_cpus: int | None = None,
+             runtime_env: dict[str, Any] | None = None) -> str:
     """Connect to ``address``/``$RAY_ADDRESS``, else start a local instance on 127.0.0.1.
-    Returns a description."""
+    ``runtime_env`` (pfl.tune.runtime_env) adds what the workers need. Returns a description."""
     import ray
 
     if ray.is_initialized():
         return "already initialised"
-    env = export_environment()
+    env = worker_environment()  # the store, and the driver's MLflow login and retry settings
     address = address or os.environ.get("RAY_ADDRESS")
-    kwargs: dict[str, Any] = dict(runtime_env={"env_vars": env}, log_to_driver=False, configure_logging=False)
+    job_env = dict(runtime_env or {})
+    job_env["env_vars"] = {**env, **job_env.get("env_vars", {})}
+    kwargs: dict[str, Any] = dict(runtime_env=job_env, log_to_driver=False, configure_logging=False)
     if address:
         check_address(address)
         if address.rpartition(":")[0] in ("127.0.0.1", "localhost", "::1"):

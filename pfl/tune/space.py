@@ -202,7 +202,7 @@ def check_space(space: SearchSpace, raw: dict, extra_metrics: tuple[str, ...] = 
     try:
         base = resolve(raw)
     except ConfigError as err:
-        raise ConfigError(err.field, f"{err} (in the scenario/base/fixed values of {space.path})") from None
+        raise ConfigError(err.field, f"{err.message} (in the scenario/base/fixed values of {space.path})") from None
     catalog = list(reported_metrics(base)) + list(extra_metrics)
     for key, dist in space.distributions.items():
         for value in dist.examples():
