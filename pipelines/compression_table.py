@@ -105,10 +105,16 @@ def entries() -> list[tuple[str, str, str, dict]]:
     return out
 
 
+def matches(label: str, text: str) -> bool:
+    """``text`` is in ``label``; a trailing ``$`` anchors it at the label's end (``fpfc/qsgd_s1$``: not
+    ``fpfc/qsgd_s1+down_qsgd_s7``)."""
+    return label.endswith(text[:-1]) if text.endswith("$") else text in label
+
+
 def select(all_entries, only: list[str] | None):
     if not only:
         return all_entries
-    return [e for e in all_entries if any(text in e[0] for text in only)]
+    return [e for e in all_entries if any(matches(e[0], text) for text in only)]
 
 
 def build_configs(chosen, quick: bool, overrides: list[str], track: bool) -> dict:
@@ -199,6 +205,35 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def relative_columns(rows, chosen, finals, ups, totals, curves, target) -> dict[str, float]:
+    """Each row against its method's dense run (FedAvg's for the seminar entries), in place; returns the
+    target accuracy of each scenario."""
+    targets = {}
+    for scenario, ref in REFERENCE.items():
+        targets[scenario] = target if target is not None else 0.95 * finals.get(ref, math.nan)
+    for row, (label, scenario, _, _) in zip(rows, chosen):
+        base = f"{label.split('/')[0]}/none"
+        if base not in finals or label in SEMINAR:
+            base = REFERENCE[scenario]
+        row["baseline"] = base if base in finals else ""
+        row["up_ratio"] = ups[label] / ups[base] if base in ups and ups[base] else math.nan
+        row["total_ratio"] = totals[label] / totals[base] if base in totals and totals[base] else math.nan
+        row["acc_delta"] = finals[label] - finals[base] if base in finals else math.nan
+        row["target"] = targets[scenario]
+        row["to_target"] = bytes_to_target(curves[scenario][label], targets[scenario])
+    return targets
+
+
+def write_partial(rows: list[dict], out: Path, total: int) -> None:
+    """``compression_table.partial.md`` / ``.csv`` in ``out``: the rows done so far, said to be partial."""
+    import pandas as pd
+
+    out.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame(rows).to_csv(out / "compression_table.partial.csv", index=False)
+    head = f"PARTIAL: {len(rows)} of {total} entries done\n\n" if len(rows) < total else ""
+    (out / "compression_table.partial.md").write_text(head + format_table(rows) + "\n")
+
+
 def _data_key(cfg) -> str:
     from pfl.schema import to_dict
 
@@ -246,21 +281,11 @@ def run(only: list[str] | None = None, quick: bool = False, overrides: list[str]
                      "up_bytes": ups[label], "down_bytes": f.get("comm/down_bytes", math.nan),
                      "rounds": cfg.federation.rounds, "time_s": time.perf_counter() - start,
                      "status": summary.status, "run_id": summary.run_id or ""})
-    # relative columns: each entry against its method's dense run (FedAvg's for the seminar entries)
-    targets = {}
-    for scenario, ref in REFERENCE.items():
-        targets[scenario] = target if target is not None else 0.95 * finals.get(ref, math.nan)
-    for row, (label, scenario, _, _) in zip(rows, chosen):
-        base = f"{label.split('/')[0]}/none"
-        if base not in finals or label in SEMINAR:
-            base = REFERENCE[scenario]
-        row["baseline"] = base if base in finals else ""
-        row["up_ratio"] = ups[label] / ups[base] if base in ups and ups[base] else math.nan
-        row["total_ratio"] = totals[label] / totals[base] if base in totals and totals[base] else math.nan
-        row["acc_delta"] = finals[label] - finals[base] if base in finals else math.nan
-        row["target"] = targets[scenario]
-        row["to_target"] = bytes_to_target(curves[scenario][label], targets[scenario])
-        safe = label.replace("/", ".")
+        targets = relative_columns(rows, chosen, finals, ups, totals, curves, target)
+        if out:  # the entries so far, so that a run cut off still leaves what it measured (marked partial)
+            write_partial(rows, Path(out), len(chosen))
+    for row in rows:
+        safe = row["entry"].replace("/", ".")
         parent.log_metrics({f"{safe}.test_acc": row["test_acc"], f"{safe}.up_bytes": row["up_bytes"]})
     text = format_table(rows)
     with tempfile.TemporaryDirectory() as tmp:
@@ -279,14 +304,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small, fast version (a few minutes)")
     parser.add_argument("--only", nargs="+", default=None, metavar="TEXT",
-                        help="run only the entries whose label contains one of these (e.g. fedavg/ diana)")
+                        help="run only the entries whose label contains one of these (e.g. fedavg/ diana); "
+                             "a trailing $ anchors TEXT at the label's end (fpfc/qsgd_s1$)")
     parser.add_argument("--target", type=float, default=None,
                         help="target test accuracy for the bytes-to-target column (default: 0.95 × the "
                              "uncompressed FedAvg's, FPFC's on S1)")
     parser.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                         help="dotted config overrides for every entry")
     parser.add_argument("--no-track", action="store_true", help="do not log to MLflow")
-    parser.add_argument("--out", help="also write the table (CSV, Markdown) and plots into this directory")
+    parser.add_argument("--out", help="also write the table (CSV, Markdown) and plots into this directory, and "
+                                      "after every entry the rows so far (compression_table.partial.*)")
     parser.add_argument("--quiet", action="store_true", help="no per-round progress lines")
     parser.add_argument("--list", action="store_true", help="list the entries and exit")
     args = parser.parse_args(argv)
