@@ -285,7 +285,7 @@ def run(only: list[str] | None = None, quick: bool = False, overrides: list[str]
         if out:  # the entries so far, so that a run cut off still leaves what it measured (marked partial)
             write_partial(rows, Path(out), len(chosen))
     for row in rows:
-        safe = row["entry"].replace("/", ".")
+        safe = row["entry"].replace("/", ".").replace("+", "_and_")  # MLflow metric names take no '+'
         parent.log_metrics({f"{safe}.test_acc": row["test_acc"], f"{safe}.up_bytes": row["up_bytes"]})
     text = format_table(rows)
     with tempfile.TemporaryDirectory() as tmp:
