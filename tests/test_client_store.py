@@ -26,6 +26,7 @@ from pfl.federation.drivers import simulator_for
 from pfl.federation.records import pack, unpack
 from pfl.federation.state import encode
 from pfl.federation.store import StoreError
+from pfl.federation.wire import Stage
 from pfl.schema import ConfigError
 
 METHODS = method_names(composed=True)
@@ -229,6 +230,46 @@ def test_a_client_memory_is_kept_snapshotted_and_checkpointed_with_the_states(tm
     same(encode(sim.model_state()["memories"]), encode({"mirror": {3: {"w": torch.ones(4), "sent": 1}}}))
     mirrors.save(3, {})                      # nothing kept: the entry goes
     assert "memories" not in sim.model_state()
+
+
+class CountingStage(Stage):
+    """A server-side stage with a per-client memory, as a downlink mirror is: how many training
+    downlinks each client got, and the first tensor of the last one."""
+
+    def bind_store(self, store):
+        self.memory = store.memory("counting")
+
+    def send_down(self, phase, cid, msg):
+        if phase.kind == "train":
+            kept = self.memory.load(cid)
+            first = next(iter(msg.tensors().values()))
+            self.memory.save(cid, {"count": kept.get("count", 0) + 1, "last": first.detach().clone()})
+        return msg
+
+
+def with_stage(cfg, store):
+    sim = build(cfg, store)
+    stage = CountingStage()
+    sim.wire.stages.append(stage)
+    stage.bind_store(sim.store)
+    return sim
+
+
+def test_a_wire_stage_keeps_its_per_client_memory_in_the_store(tmp_path):
+    def cfg():
+        return small_config(method__name="ditto", federation__rounds=4)
+    memory = with_stage(cfg(), "memory")
+    run_rounds(memory)
+    disk = with_stage(cfg(), "disk")
+    run_rounds(disk, until=2)
+    save_checkpoint(disk, tmp_path / "c.pt")
+    resumed = with_stage(cfg(), "disk")
+    load_checkpoint(resumed, tmp_path / "c.pt")
+    run_rounds(resumed)
+    counts = {c: sum(c in memory.sample(r) for r in range(4)) for c in range(memory.num_clients)}
+    kept = memory.model_state()["memories"]["counting"]
+    assert {c: v["count"] for c, v in kept.items()} == {c: n for c, n in counts.items() if n}
+    assert_same_run(resumed, memory)         # the memories included
 
 
 def test_compaction_rewrites_sparse_segments_and_spares_snapshots():

@@ -165,3 +165,25 @@ def test_a_large_population_touches_only_its_sampled_clients(tmp_path):
     sim.store.flush()
     assert set(np.flatnonzero(sim.store.index["client"] >= 0).tolist()) == trained
     assert sim.history[-1]["eval/clients"] == 50
+
+
+def test_bad_features_found_when_a_client_is_first_sampled_fail_the_run_naming_the_file(tmp_path):
+    from pfl.runner import run_experiment
+    from pfl.tracking import client
+
+    rng = np.random.default_rng(5)
+    n = 400
+    x = rng.normal(size=(n, 4)).astype(np.float32)
+    owner = np.repeat(np.arange(20), 20)
+    x[owner == 13] = np.nan                   # client 13: never built before it is sampled
+    path = tmp_path / "bad.parquet"
+    pq.write_table(pa.table({"label": rng.integers(0, 3, n), "client": owner,
+                             **{f"f{j}": x[:, j] for j in range(4)}}), path, row_group_size=20)
+    cfg = small_config(data__source="files", data__params={"path": str(path)}, data__num_clients=20,
+                       data__partition__kind="natural", data__cache=False, federation__clients_per_round=0,
+                       federation__client_store="disk", federation__client_memory_gb=0.01, tracking__enabled=True)
+    with pytest.raises(ConfigError) as err:
+        run_experiment(cfg, progress=None)
+    assert err.value.field == "data.params.path" and "bad.parquet" in str(err.value)
+    run = client().search_runs(client().search_experiments()[0].experiment_id)[0]
+    assert run.info.status == "FAILED"

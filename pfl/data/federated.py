@@ -96,6 +96,11 @@ class FederatedData:
         if isinstance(self.clients, OnDemandClients):
             self.clients.capacity = nbytes
 
+    def prefetch(self, cids: Sequence[int]) -> None:
+        """Built on demand: build these clients' data now, together (see :meth:`OnDemandClients.prefetch`)."""
+        if isinstance(self.clients, OnDemandClients):
+            self.clients.prefetch(cids)
+
     def client_sizes(self) -> list[int]:
         """Training samples per client (without building any client's data)."""
         if isinstance(self.clients, OnDemandClients):
@@ -287,7 +292,9 @@ class OnDemandClients(Sequence[ClientData]):
         if client is not None:
             self._kept.move_to_end(i)
             return client
-        client = self.build(i)
+        return self._keep(i, self.build([i])[0])
+
+    def _keep(self, i: int, client: ClientData) -> ClientData:
         self._kept[i] = client
         self._bytes += client.nbytes
         while self._bytes > self.capacity and len(self._kept) > 1:
@@ -295,17 +302,26 @@ class OnDemandClients(Sequence[ClientData]):
             self._bytes -= old.nbytes
         return client
 
-    def build(self, i: int) -> ClientData:
-        self.built += 1
+    def prefetch(self, cids: Sequence[int]) -> None:
+        """Build the clients of ``cids`` not kept yet together: one read of a file source for all
+        of them (the exchange does this for each round's clients)."""
+        todo = [int(i) for i in dict.fromkeys(cids) if int(i) not in self._kept]
+        if len(todo) > 1 and self.src.read_rows is not None:
+            for i, client in zip(todo, self.build(todo)):
+                self._keep(i, client)
+
+    def build(self, cids: list[int]) -> list[ClientData]:
+        self.built += len(cids)
         src, part = self.src, self.part
         if src.read_rows is None:
-            features = {s: torch.from_numpy(src.featurize(src.x[getattr(part, s)[i]])) for s in SPLITS}
-        else:  # one read of the client's rows, split as the bulk read splits them
-            pieces = [getattr(part, s)[i] for s in SPLITS]
+            feats = [{s: torch.from_numpy(src.featurize(src.x[getattr(part, s)[i]])) for s in SPLITS} for i in cids]
+        else:  # one read of the clients' rows, split as the bulk read splits them
+            pieces = [getattr(part, s)[i] for i in cids for s in SPLITS]
             rows = torch.from_numpy(src.read_rows(np.concatenate(pieces)))
             ends = np.cumsum([len(p) for p in pieces])
-            features = {s: rows[ends[j] - len(pieces[j]):ends[j]] for j, s in enumerate(SPLITS)}
-        return _client(src, part, i, self.kind, self.num_clusters, features).to(self.device)
+            feats = [{s: rows[ends[3 * k + j] - len(pieces[3 * k + j]):ends[3 * k + j]] for j, s in enumerate(SPLITS)}
+                     for k in range(len(cids))]
+        return [_client(src, part, i, self.kind, self.num_clusters, f).to(self.device) for i, f in zip(cids, feats)]
 
     def build_all(self) -> list[ClientData]:
         return [_client(self.src, self.part, i, self.kind, self.num_clusters, features).to(self.device)

@@ -58,12 +58,14 @@ HandleFactory = Callable[[int, dict, Compute], "ClientHandle"]
 class Exchange:
     """The run's exchange (see the module docstring): a wire, a client store, a cohort runner."""
 
-    def __init__(self, wire: Wire, store: ClientStore, runner, handle: HandleFactory, window: int | None = None):
+    def __init__(self, wire: Wire, store: ClientStore, runner, handle: HandleFactory, window: int | None = None,
+                 prefetch: Callable[[list[int]], None] | None = None):
         self.wire = wire
         self.store = store
         self.runner = runner   # pfl.federation.cohort.Sequential or Cohort
         self.handle = handle
         self.window = window
+        self.prefetch = prefetch  # builds a window's client data together (data built on demand)
 
     def __call__(self, phase: Phase, clients: Sequence[int], server_side: ServerSide, client_side: ClientSide,
                  receive: Callable[[Arrival], None] | None = None) -> dict[int, Arrival]:
@@ -71,6 +73,8 @@ class Exchange:
         clients = list(clients)
         step = self.window or max(len(clients), 1)
         for start in range(0, len(clients), step):
+            if self.prefetch is not None:
+                self.prefetch(clients[start:start + step])
             for part in self.runner.parts(clients[start:start + step]):
                 downs = {cid: self.send(phase, cid, server_side(cid)) for cid in part}
                 out.update(self.complete(phase, downs, client_side, receive))

@@ -2,7 +2,8 @@
 
 ``Simulator(cfg)`` builds a run from its config: the data on the run's device, the shared model
 object, the method's server and client objects, the population (:mod:`.population`: members,
-newcomers, malicious clients), the client-state store (:mod:`.store`), the wire (:mod:`.wire`:
+newcomers, malicious clients), the client-state store (:mod:`.store`: in memory, or on disk with the
+clients' data built when sampled, :mod:`.diskstore`), the wire (:mod:`.wire`:
 compression stage, transforms such as attacks, the ledger) and the exchange (:mod:`.exchange`)
 through which every message travels. It does not drive itself: the round loop
 (:class:`pfl.federation.loop.RoundLoop`) calls :meth:`run_round`, with callbacks around it;
@@ -37,11 +38,11 @@ from . import attacks  # noqa: F401  (registers the attack transform)
 from .cohort import DIRECT, Cohort, Compute, Sequential
 from .comm import CommLedger
 from .context import FederationMeta, RunContext
+from .diskstore import DiskStore
 from .exchange import Exchange, Phase
 from .messages import Message
 from .newcomers import newcomer_clients
 from .population import Population
-from .diskstore import DiskStore
 from .state import clone, to_device, tree_map
 from .store import ClientStore, memory_store, plan_store, state_estimate
 from .transforms import Transform, build_transforms
@@ -101,9 +102,13 @@ class Simulator:
         self.elapsed = 0.0
         self.last_client_table: list[dict] | None = None
         self.store = self._make_store(model)
+        for stage in self.wire.stages:  # a stage's per-client server memories live in the store
+            if hasattr(stage, "bind_store"):
+                stage.bind_store(self.store)
         runner = (Cohort(fed.cohort_chunk, vectorizable=method_cls.cohort == "vectorized", method=method_cls.name)
                   if self.vectorized else Sequential())
-        self.exchange = Exchange(self.wire, self.store, runner, self._handle, window=self.plan.window)
+        self.exchange = Exchange(self.wire, self.store, runner, self._handle, window=self.plan.window,
+                                 prefetch=self.data.prefetch if self.plan.window else None)
 
     def _make_store(self, model: torch.nn.Module) -> ClientStore:
         """The client-state store ``federation.client_store`` asks for (:func:`.store.plan_store`)."""
