@@ -1,7 +1,7 @@
 """Benchmark: populations beyond memory — 1,000 to 100,000 clients on one machine.
 
     python pipelines/bench_scale.py [--populations 1000 10000 100000] [--methods fedavg ditto]
-                                    [--rounds 10] [--repeats 1] [--budget-gb 2] [--full-eval]
+                                    [--rounds 10] [--repeats 3] [--budget-gb 2] [--full-eval]
                                     [--store-dir DIR] [--no-track]
 
 Each row is one run in a fresh process: the ``crowd`` source (``pfl.data.crowd``: synthetic, no
@@ -20,12 +20,14 @@ clients). Measured in the child:
 * **ckpt s**: the first checkpoint after R rounds, then the next one after one more round (a disk
   store links only the new segments); **ckpt MB**: the checkpoint file and its segment folder;
 * **store MB**: the disk store's segment files; **stored**: clients with a record;
-* **peak RSS**: the process's peak resident set (``ru_maxrss``), **base RSS** the resident set
-  after the imports;
+* **peak RSS**: the process's peak resident set (``ru_maxrss``; the largest of the repeats, the
+  first of which has the full evaluation), **base RSS** the resident set after the imports;
 * with ``--full-eval``, **full eval s**: the final evaluation, every client.
 
-The load average of the machine is read before and after each row (the machine is shared: times
-are noisy under load; compare rows of one table). FPFC is not run: its server keeps θ and v, two
+Each row runs ``--repeats`` times, all rows in turn before the next repeat, and the table shows
+medians (``round_s_runs`` in the CSV: every run's s/round); the full evaluation is timed in the first
+repeat only. The load average of the machine is read before and after each run and the table shows
+its range (the machine is shared: times are noisy under load; compare rows of one table). FPFC is not run: its server keeps θ and v, two
 (m, m, p) tensors, so with this model (p = 34,186) it needs 2·m²·p·4 bytes — 27 GB at m = 100 —
 and stops at m ≈ 125 on a 4 GiB budget (m ≈ 450 with softmax regression); the table says so.
 
@@ -194,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--populations", type=int, nargs="+", default=[1000, 10000, 100000])
     parser.add_argument("--methods", nargs="+", default=["fedavg", "ditto"])
     parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--repeats", type=int, default=1, help="runs per row (the table shows medians)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per row, in turn (the table shows medians)")
     parser.add_argument("--budget-gb", type=float, default=2.0, help="federation.client_memory_gb")
     parser.add_argument("--full-eval", action="store_true", help="also time an evaluation of every client")
     parser.add_argument("--store-dir", default=None, help="federation.client_store_dir (default: a temporary folder)")
@@ -209,27 +211,32 @@ def main(argv: list[str] | None = None) -> int:
     smallest = min(args.populations)
     plan = [(method, m, "auto") for method in args.methods for m in sorted(args.populations)]
     plan += [(method, smallest, "disk") for method in args.methods if "ditto" == method]
-    rows: list[dict] = []
+    runs: dict[tuple, list[dict]] = {row: [] for row in plan}
     try:
-        for method, m, store in plan:
-            runs = []
-            for _ in range(args.repeats):
+        for rep in range(args.repeats):  # the rows in turn, so a change of the machine's load hits them alike
+            for method, m, store in plan:
                 spec = {"method": method, "clients": m, "store": store, "rounds": args.rounds,
                         "budget_gb": args.budget_gb, "store_dir": args.store_dir, "work": str(work),
-                        "full_eval": args.full_eval and not runs}
-                runs.append(measure(spec))
-                r = runs[-1]
+                        "full_eval": args.full_eval and rep == 0}
+                r = measure(spec)
+                runs[(method, m, store)].append(r)
                 print(f"{method:<7} {m:>7,} {store:<5} -> {r['store']:<6} start-up {r['startup_s']:5.1f} s  "
                       f"{r['round_s']:.2f} s/round  eval {r['eval_s']:.1f} s  ckpt {r['ckpt_first_s']:.2f}/"
                       f"{r['ckpt_next_s']:.2f} s  peak {r['peak_rss_mib']:.0f} MiB  load {r['load_before']:.1f}",
                       flush=True)
-            row = dict(runs[0])
-            for key in ("startup_s", "round_s", "eval_s", "ckpt_first_s", "ckpt_next_s", "peak_rss_mib"):
-                row[key] = statistics.median(r[key] for r in runs)
-            row.update(method=method, clients=m, store_choice=store)
-            rows.append(row)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    rows: list[dict] = []
+    for (method, m, store), done in runs.items():
+        row = dict(done[0])
+        for key in ("startup_s", "round_s", "eval_s", "ckpt_first_s", "ckpt_next_s"):
+            row[key] = statistics.median(r[key] for r in done)
+        row["peak_rss_mib"] = max(r["peak_rss_mib"] for r in done)  # the worst (the full evaluation's run)
+        row["round_s_runs"] = " ".join(f"{r['round_s']:.2f}" for r in done)
+        row["load_before"] = min(r["load_before"] for r in done)
+        row["load_after"] = max(r["load_after"] for r in done)
+        row.update(method=method, clients=m, store_choice=store)
+        rows.append(row)
     for r in rows:
         ref = next((x for x in rows if x["method"] == r["method"] and x["clients"] == smallest
                     and x["store_choice"] == "auto"), None)

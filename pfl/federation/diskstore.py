@@ -336,6 +336,12 @@ class DiskStore(ClientStore):
         if part.get("format") != DISK_FORMAT or int(part["num_clients"]) != self.num_clients:
             raise StoreError(f"the client states in {directory} are for {part.get('num_clients')} clients "
                              f"(format {part.get('format')}), this run has {self.num_clients}")
+        keep = set(part["segments"].values())
+        for name in self.names:  # this store's own segments the checkpoint does not have: stale now
+            if name is not None and name not in keep and not self.read_only:
+                (self.root / name).unlink(missing_ok=True)
+        self._indexes.clear()
+        self.token = uuid.uuid4().hex[:10]  # names of segments written from here on are new names
         self.names = [None] * int(part["next"])
         self.counts = [0] * len(self.names)
         self.sizes = [0] * len(self.names)

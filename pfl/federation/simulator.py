@@ -44,7 +44,7 @@ from .messages import Message
 from .newcomers import newcomer_clients
 from .population import Population
 from .state import clone, to_device, tree_map
-from .store import ClientStore, memory_store, plan_store, state_estimate
+from .store import ClientStore, memory_store, plan_store, release_heap, state_estimate
 from .transforms import Transform, build_transforms
 from .wire import ClientSide, Wire
 
@@ -108,7 +108,7 @@ class Simulator:
         runner = (Cohort(fed.cohort_chunk, vectorizable=method_cls.cohort == "vectorized", method=method_cls.name)
                   if self.vectorized else Sequential())
         self.exchange = Exchange(self.wire, self.store, runner, self._handle, window=self.plan.window,
-                                 prefetch=self.data.prefetch if self.plan.window else None)
+                                 prefetch=self._next_window if self.plan.window else None)
 
     def _make_store(self, model: torch.nn.Module) -> ClientStore:
         """The client-state store ``federation.client_store`` asks for (:func:`.store.plan_store`)."""
@@ -123,6 +123,11 @@ class Simulator:
         self.data.keep_at_most(self.plan.data_capacity)
         return DiskStore(fed.client_store_dir, self.num_clients, lambda cid: self._new_client_state(cid, self.device),
                          self.device, self.plan.flush_bytes)
+
+    def _next_window(self, cids: list[int]) -> None:
+        """Before an exchange's next clients (disk store): return freed memory, build their data."""
+        release_heap()
+        self.data.prefetch(cids)
 
     # ---- clients -------------------------------------------------------------------------------
     @property

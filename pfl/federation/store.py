@@ -232,6 +232,29 @@ def memory_store(num_clients: int, new_state: Callable[[int, torch.device], dict
     return MemoryStore(states, device, where, new_state=lambda cid: new_state(cid, device))
 
 
+_LIBC: Any = None
+
+
+def release_heap() -> None:
+    """Give the C heap's free pages back to the system (glibc's ``malloc_trim``; elsewhere nothing).
+
+    A run on the disk store builds and frees clients' data and states one window after another;
+    glibc keeps what was freed for reuse, fragmented, so the resident memory grows with the
+    clients seen: an evaluation of 100,000 clients peaked at 3,955 MiB with a 2 GiB budget, and
+    at 3,003 MiB trimming before each window (0.5 ms a window; pipelines/bench_scale.py's setting)."""
+    global _LIBC
+    if _LIBC is None:
+        try:
+            import ctypes
+
+            _LIBC = ctypes.CDLL("libc.so.6")
+            _LIBC.malloc_trim  # noqa: B018  (glibc only)
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
 def default_budget() -> float:
     """``federation.client_memory_gb: null``: a quarter of the machine's physical memory."""
     try:
@@ -278,4 +301,4 @@ def plan_store(fed, num_clients: int, members: int, state_bytes: int, data_bytes
 
 
 __all__ = ["ClientMemory", "ClientStore", "GiB", "MemoryStore", "StoreError", "StorePlan", "choose_state_device",
-           "default_budget", "memory_part", "memory_store", "plan_store", "state_estimate"]
+           "default_budget", "memory_part", "memory_store", "plan_store", "release_heap", "state_estimate"]
