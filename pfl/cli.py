@@ -15,7 +15,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from . import config as config_mod
     from . import resolver
     from .runner import format_bytes, run_experiment
-    from .tracking import check_store, tracking_uri
+    from .tracking import check_store, run_hint
 
     if args.resume and not args.checkpoint:
         raise ConfigError("--resume", "needs --checkpoint FILE (the checkpoint to continue from)")
@@ -50,8 +50,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
           f"total {int(final.get('comm/total_bytes', 0))} bytes")
     print(f"  time                     {final.get('time/elapsed_s', 0):.1f} s")
     if summary.run_id:
-        print(f"  MLflow run {summary.run_id} in {tracking_uri()}")
-        print(f"  view: mlflow ui --backend-store-uri {tracking_uri()}")
+        print("  " + run_hint(summary.run_id, what="MLflow run"))
     return 0 if summary.status == "FINISHED" else 3
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from services import processes_of
 
 torch.set_num_threads(1)
 
@@ -39,48 +40,16 @@ class Cluster:
         return proc.returncode, out
 
 
-def _processes_of(temp_dir: str, ns: str | None) -> list[int]:
-    """PIDs of this test cluster only: the processes in its network namespace, those whose command
-    line names its private temp dir, and their descendants (workers rename themselves ``ray::...``).
-    ``ray stop`` would kill every Ray process of the machine, a user's running sweep included."""
-    parent, roots = {}, set()
-    if ns:
-        out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout
-        roots |= {int(pid) for pid in out.split()}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            stat = (proc / "stat").read_text()
-            cmdline = (proc / "cmdline").read_bytes()
-        except OSError:
-            continue
-        pid = int(proc.name)
-        parent[pid] = int(stat.rsplit(")", 1)[1].split()[1])
-        if temp_dir.encode() in cmdline:
-            roots.add(pid)
-    found, changed = set(roots), True
-    while changed:
-        kids = {pid for pid, ppid in parent.items() if ppid in found} - found
-        found |= kids
-        changed = bool(kids)
-    mine, pid = set(), os.getpid()
-    while pid > 1 and pid not in mine:  # never this process or the ones that started it
-        mine.add(pid)
-        pid = parent.get(pid, 1)
-    return sorted(found - mine)
-
-
 def _stop_cluster(temp_dir: str, ns: str | None) -> None:
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        pids = _processes_of(temp_dir, ns)
+        pids = processes_of(temp_dir, ns)
         for pid in pids:
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
         deadline = time.time() + 15
-        while pids and time.time() < deadline and _processes_of(temp_dir, ns):
+        while pids and time.time() < deadline and processes_of(temp_dir, ns):
             time.sleep(0.5)
 
 

@@ -175,3 +175,21 @@ def write_mnist_like(folder: Path, n_train: int, n_test: int, rng, gz: bool = Tr
         write_idx(folder / f"{part}-labels-idx1-ubyte{suffix}", y)
         images.append(x)
     return np.concatenate(images)
+
+
+def models_equal(a, b, atol: float = 0.0) -> bool:
+    """Two parameter dicts equal tensor by tensor (bit for bit, or within ``atol``)."""
+    return all((torch.equal(a[k], b[k]) if atol == 0 else torch.allclose(a[k], b[k], atol=atol)) for k in a)
+
+
+def client_gradients(sim, params, batch_size: int = 0) -> dict:
+    """Every client's gradient of its mean training loss at ``params`` (its whole split by default)."""
+    from pfl.training import batch_gradient
+
+    out = {}
+    for cid in range(sim.num_clients):
+        client = sim.client(cid)
+        d = client.data
+        out[cid], _ = batch_gradient(client.model, params, d.x_train, d.y_train, task=sim.ctx.meta.task,
+                                     batch_size=batch_size)
+    return out

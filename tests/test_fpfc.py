@@ -288,8 +288,9 @@ def test_async_driver_is_a_config_value():
 def test_lambda_path_round_budget():
     from pfl.tune.lambda_path import PathSettings, separate_run, warmup_path
 
-    settings = PathSettings(lambdas=[0.6, 0.2, 0.4], eval_every=2, stage_cap=4, min_stage_rounds=2,
-                            tolerance=1.0, patience=5, budget=12)
+    # tolerance 1.0 with a window of one evaluation: every segment converges at its second evaluation
+    settings = PathSettings(lambdas=[0.6, 0.2, 0.4], eval_every=2, stage_cap=4, window=1, tolerance=1.0,
+                            patience=5, extend=0, finalists=1, budget=12)
     with pytest.raises(ConfigError) as err:     # no validation split: nothing to select λ by
         warmup_path(Simulator(synthetic_config()), settings)
     assert err.value.field == "data.val_fraction"
@@ -297,45 +298,63 @@ def test_lambda_path_round_budget():
     seen = []
     result = warmup_path(sim, settings, on_stage=lambda i, s: seen.append((s["lambda"], sim.round)))
     assert [lam for lam, _ in seen] == [0.2, 0.4, 0.6]          # ascending by default
-    # tolerance 1.0 ends every stage as soon as min_stage_rounds allow: 2 evaluations apart
     assert [rounds for _, rounds in seen] == [4, 8, 12]
+    assert all(s["converged"] == 1 for s in result.stages)
     best_round = dict(seen)[result.best_lambda]
-    # the final model continues the best stage until its lineage has had `budget` rounds
-    assert sim.round == settings.budget and sim.method.hp.lam == result.best_lambda
-    assert result.total_rounds == 12 + (settings.budget - best_round)
+    # the final model continues the best stage until it converges too (4 rounds here), never past the budget
+    final = result.final
+    assert sim.method.hp.lam == result.best_lambda and sim.round == min(best_round + 4, settings.budget)
+    assert final["rounds"] == sim.round - best_round and result.total_rounds == 12 + final["rounds"]
     fresh = Simulator(synthetic_config(federation__rounds=10**6, data__val_fraction=0.2))
     stage = separate_run(fresh, 0.4, settings)
-    assert stage["rounds"] == settings.budget == fresh.round      # no early stop for separate runs
+    assert stage["rounds"] == 4 == fresh.round and stage["converged"] == 1   # the same rule, not the budget
 
 
 @pytest.mark.slow
-def test_lambda_path_playoff_continues_the_best_stages_from_their_own_states():
+def test_lambda_path_playoff_continues_the_best_stages_to_equal_rounds_from_their_own_states():
     from pfl.tune.lambda_path import PathSettings, warmup_path
 
-    settings = PathSettings(lambdas=[0.2, 0.4, 0.6], eval_every=2, stage_cap=4, min_stage_rounds=2,
-                            tolerance=1.0, patience=5, finalists=2, playoff_rounds=3, budget=20)
+    settings = PathSettings(lambdas=[0.2, 0.4, 0.6], eval_every=2, stage_cap=4, window=1, tolerance=1.0,
+                            patience=5, extend=0, finalists=2, playoff_rounds=3, budget=20)
     sim = Simulator(synthetic_config(federation__rounds=10**6, data__val_fraction=0.2))
     stages, rounds_seen = [], []
     result = warmup_path(sim, settings, on_stage=lambda i, s: stages.append((s["val/acc_mean"], s["lambda"])),
                          on_round=lambda m: rounds_seen.append(sim.round))
     end_of = {0.2: 4, 0.4: 8, 0.6: 12}
-    finalists = [lam for _, lam in sorted(stages, key=lambda s: -s[0])[:2]]
+    finalists = sorted((lam for _, lam in sorted(stages, key=lambda s: -s[0])[:2]), key=lambda lam: -end_of[lam])
     playoff = result.extra["playoff"]
-    assert [m["lambda"] for m in playoff] == finalists and all(m["rounds"] == 3 for m in playoff)
-    # each finalist restarts from its own path state: rounds r+1..r+3 after the path's 1..12
+    target = max(end_of[lam] for lam in finalists) + 3
+    assert [m["lambda"] for m in playoff] == finalists          # the latest first
+    assert all(m["lineage"] == target for m in playoff)          # compared after equal training
+    # each finalist restarts from its own path state and trains to the same lineage round
     expected = list(range(1, 13))
     for lam in finalists:
-        expected += list(range(end_of[lam] + 1, end_of[lam] + 4))
+        expected += list(range(end_of[lam] + 1, target + 1))
     winner = max(playoff, key=lambda m: m["val/acc_mean"])["lambda"]
     assert result.best_lambda == winner and sim.method.hp.lam == winner
-    expected += list(range(end_of[winner] + 4, settings.budget + 1))
-    assert rounds_seen == expected and sim.round == settings.budget
-    assert result.total_rounds == len(expected) == 12 + 2 * 3 + settings.budget - (end_of[winner] + 3)
-    from pfl.schema import from_dict
-    for half, field in (({"finalists": 3}, "pipeline.playoff_rounds"), ({"playoff_rounds": 50}, "pipeline.finalists")):
-        with pytest.raises(ConfigError) as err:   # a playoff needs both settings
-            from_dict(PathSettings, half, "pipeline")
-        assert err.value.field == field
+    expected += list(range(target + 1, target + 5))             # converged after 2 evaluations
+    assert rounds_seen == expected and sim.round == target + 4
+    assert result.total_rounds == len(expected)
+
+
+def test_lambda_path_on_a_regression_source_selects_by_rmse_and_ends():
+    from pfl.resolver import load
+    from pfl.tune.lambda_path import PathSettings, warmup_path
+
+    cfg = load(None, {"data.source": "fpfc_linear", "data.num_clients": 10, "data.val_fraction": 0.2,
+                      "data.params.size_scale": 0.1, "method.name": "fpfc", "federation.rounds": 10**6,
+                      "federation.clients_per_round": 5, "federation.batch_size": 0, "federation.local_steps": 5,
+                      "federation.lr": 0.05, "tracking.enabled": False})
+    sim = Simulator(cfg)
+    settings = PathSettings(lambdas=[0.2, 0.4], eval_every=2, stage_cap=10, window=1, tolerance=1e-3, extend=1,
+                            finalists=2, playoff_rounds=2, budget=30)
+    result = warmup_path(sim, settings)     # only val/rmse_mean is reported: the path must still end
+    rmse = {s["lambda"]: s["val/rmse_mean"] for s in result.stages}
+    assert "val/acc_mean" not in result.stages[0] and sim.round <= settings.budget
+    assert list(rmse) == [0.2, 0.4, 0.6] and rmse[0.6] < rmse[0.4]   # RMSE still falling: the grid extended
+    finalists = sorted(rmse, key=rmse.get)[:2]             # the lowest validation RMSE, not the highest
+    assert {m["lambda"] for m in result.extra["playoff"]} == set(finalists)
+    assert result.best_lambda == min(result.extra["playoff"], key=lambda m: m["val/rmse_mean"])["lambda"]
 
 
 @pytest.mark.slow

@@ -14,11 +14,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "pfl"
 
-#: circles allowed for now, each as the sorted set of its modules
-KNOWN_CIRCLES = {
-    # removed when issue 30 lands (the λ-path pieces in one direction)
-    frozenset({"pfl.tune.fpfc_trainable", "pfl.tune.lambda_path"}),
-}
+#: circles allowed for now, each as the sorted set of its modules (none left)
+KNOWN_CIRCLES: set[frozenset[str]] = set()
 
 
 def modules(root: Path = ROOT) -> dict[str, tuple[Path, bool]]:

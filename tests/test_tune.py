@@ -324,8 +324,10 @@ def test_tune_fpfc_smoke_logs_path_table_and_best_lambda(ray_cluster, tmp_path):
                                  "--storage", str(tmp_path / "ray_results")], env, timeout=900)
     assert code == 0, out[-4000:]
     flat = " ".join(out.split())  # the explanation is wrapped to the terminal
-    printed = float(re.search(r"λ = ([0-9.]+) had the best validation accuracy and was continued", flat).group(1))
-    assert "columns:" in out and "Trial status" not in out
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| (warmup|separate) \| ([0-9., ]+) \|", out, re.M)}
+    assert set(rows) == {"warmup", "separate"}, out[-3000:]
+    assert "counting: rounds = every round one side computed" in flat and "Trial status" not in out
+    assert re.search(r"warmup vs separate: λ [0-9./]+ vs [0-9./]+, test acc [+-][0-9.]+ pt \(", flat)
     # progress: trials identified by what they try, stage ends announced
     assert re.search(r"\] warmup path [^:]*: round \d+ .*stage λ=[0-9.]+ ended", out), out[-3000:]
     mc = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
@@ -333,26 +335,33 @@ def test_tune_fpfc_smoke_logs_path_table_and_best_lambda(ray_cluster, tmp_path):
     top = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     assert len(top) == 1
     top = top[0]
-    assert float(top.data.tags["selected_lambda.warmup"]) == printed
-    separate = float(re.search(r"separate: every λ of the grid .*? λ = ([0-9.]+) had the best final", flat).group(1))
-    assert float(top.data.tags["selected_lambda.separate"]) == separate
+    assert float(top.data.tags["selected_lambda.warmup"]) == float(rows["warmup"])
+    assert float(top.data.tags["selected_lambda.separate"]) == float(rows["separate"])
     sweeps = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == top.info.run_id]
     assert {r.data.tags["pfl.strategy"] for r in sweeps} == {"warmup", "separate"}
     trials = [r for r in runs if r.data.tags.get("mlflow.parentRunId") in {s.info.run_id for s in sweeps}]
     warm_trials = [t for t in trials if t.data.tags.get("pfl.strategy") == "warmup"]
+    separate = [t for t in trials if t.data.tags.get("pfl.strategy") == "separate"]
     assert warm_trials and all(t.info.status == "FINISHED" for t in trials)
     history = sorted(mc.get_metric_history(warm_trials[0].info.run_id, "stage/lambda"), key=lambda m: m.step)
     lambdas = [m.value for m in history]
     assert len(lambdas) >= 2 and lambdas == sorted(lambdas)  # the default path ascends
     path = sorted(mc.get_metric_history(top.info.run_id, "stage/lambda"), key=lambda m: m.step)
     assert [m.value for m in path] == lambdas  # the smoke preset has one warmup trial: the best
-    # the smoke preset has a 2-finalist playoff: the selected λ is the playoff's best
+    # every λ the path visited was also trained from scratch, and all of it counted: the separate
+    # side's rounds are its runs' rounds summed
+    assert sorted(float(t.data.params["method.lam"]) for t in separate) == sorted(set(lambdas) | {0.6, 0.8, 1.0})
+    summed = sum(t.data.metrics["fpfc/total_rounds"] for t in separate)
+    assert top.data.metrics["separate/rounds"] == summed
+    assert top.data.metrics["warmup/rounds"] == warm_trials[0].data.metrics["fpfc/total_rounds"]
+    # the smoke preset has a 2-finalist playoff at equal lineage rounds; the selected λ is its best
     playoff = {m.step: m.value for m in mc.get_metric_history(warm_trials[0].info.run_id, "playoff/lambda")}
     played = {m.step: m.value for m in mc.get_metric_history(warm_trials[0].info.run_id, "playoff/val_acc")}
-    assert len(playoff) == 2 and set(playoff.values()) <= set(lambdas)
-    assert playoff[max(played, key=played.get)] == printed
+    lineage = {m.value for m in mc.get_metric_history(warm_trials[0].info.run_id, "playoff/lineage_rounds")}
+    assert len(playoff) == 2 and set(playoff.values()) <= set(lambdas) and len(lineage) == 1
+    assert playoff[max(played, key=played.get)] == float(rows["warmup"])
     top_artifacts = {a.path for a in mc.list_artifacts(top.info.run_id)}
-    assert {"strategies.parquet", "strategies.md"} <= top_artifacts
+    assert {"strategies.parquet", "strategies.md", "per_lambda.csv"} <= top_artifacts
     assert "plots/lambda_path.png" in {a.path for a in mc.list_artifacts(top.info.run_id, "plots")}
     for sweep in sweeps:
         assert "trials.parquet" in {a.path for a in mc.list_artifacts(sweep.info.run_id)}

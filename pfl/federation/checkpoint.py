@@ -78,8 +78,10 @@ def run_state(sim, directory: Path, extra: dict | None = None) -> dict:
         "format": CHECKPOINT_FORMAT,
         "config": sim.start_config,
         "model": model,
+        # the last evaluation's per-client rows: a run restored after its last round (cut off
+        # while it wrote its artifacts) still has its client table
         "run": {"executed": sim.executed, "elapsed": sim.elapsed, "history": sim.history,
-                "ledger": sim.ledger.state_dict()},
+                "ledger": sim.ledger.state_dict(), "client_table": sim.last_client_table},
     }
     if extra:
         state["extra"] = extra
@@ -112,6 +114,7 @@ def load_run_state(sim, state: dict, directory: Path) -> dict:
     sim.elapsed = float(run["elapsed"])
     sim.history = list(run["history"])
     sim.ledger.load_state_dict(run["ledger"])
+    sim.last_client_table = run.get("client_table")  # absent in checkpoints of earlier versions
     return extra
 
 

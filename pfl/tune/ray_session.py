@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..schema import ConfigError
-from ..tracking import export_environment
+from ..tracking import worker_environment
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None,
 
     if ray.is_initialized():
         return "already initialised"
-    env = export_environment()
+    env = worker_environment()  # the store, and the driver's MLflow login and retry settings
     address = address or os.environ.get("RAY_ADDRESS")
     job_env = dict(runtime_env or {})
     job_env["env_vars"] = {**env, **job_env.get("env_vars", {})}

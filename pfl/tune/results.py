@@ -12,6 +12,7 @@ from typing import Any, Callable
 import pandas as pd
 
 from ..tracking import Tracker, client
+from ..tracking_store import TrackingStoreError
 from .ray_session import ANSI
 from .space import SearchSpace, grid_size
 from .trainable import existing_run
@@ -31,6 +32,7 @@ class SweepResult:
     exit_code: int = 0
     failures: dict[str, str] = field(default_factory=dict)   # trial label -> reason
     expected_trials: int = 0
+    reason: str = ""                    # why an INTERRUPTED sweep stopped, when not a signal
 
 
 def saved_trials(exp_path: Path) -> list:
@@ -170,6 +172,8 @@ def _end_run(trial, status: str, reason: str | None) -> None:
             if reason and "pfl.failure" not in run.data.tags:
                 mc.set_tag(run_id, "pfl.failure", reason)
             mc.set_terminated(run_id, status=status)
+    except TrackingStoreError:  # the trial's failed: line says so; --resume closes the run
+        pass
     except Exception as err:  # tracking must never take the sweep down
         log.warning("could not close MLflow run %s: %s", run_id, err)
 

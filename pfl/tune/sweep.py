@@ -10,7 +10,9 @@ continue from their checkpoints, and the parent's summary then describes the who
 How a sweep ends (``SweepResult.status``): ``FINISHED`` (every trial ran; some may have failed),
 ``FAILED`` (every trial failed; each reason is in ``failures``) or ``INTERRUPTED`` (SIGINT or
 SIGTERM: Tune stops the trials and saves its state; the parent and the unfinished trials' runs are
-marked KILLED and no best is logged; ``exit_code`` is 130 or 143).
+marked KILLED and no best is logged; ``exit_code`` is 130 or 143). A tracking store that stops
+answering is also ``INTERRUPTED`` (``reason`` says so, ``exit_code`` 1): the trials it cut off
+fail with that reason, and ``resume=True`` once it is back runs them again in their MLflow runs.
 
 Around the driver: :mod:`.ray_session` (connecting to Ray), :mod:`.progress` (trial labels and
 console lines), :mod:`.results` (the result, the trial table, the trials' MLflow runs).
@@ -32,7 +34,8 @@ from ..data import load_federated
 from ..models import check_model_on
 from ..resolver import resolve
 from ..schema import ConfigError, flatten
-from ..tracking import Tracker, check_store, export_environment
+from ..tracking import Tracker, check_store, export_environment, tracking_uri
+from ..tracking_store import TrackingStoreError, store_lost
 from .progress import ProgressLines, trial_label
 from .ray_session import init_ray
 from .runtime_env import worker_runtime_env
@@ -151,8 +154,11 @@ def run_sweep(space: SearchSpace, *, overrides: list[str] | None = None, smoke: 
     if resuming:
         state = json.loads(state_path.read_text())
         parent = Tracker.resume(state["parent_run_id"]) if state.get("parent_run_id") else Tracker.disabled()
+        # trials that failed because the tracking store was gone run again from their checkpoints
+        # (in their MLflow runs); Tune resumes errored trials all or none, so a trial that failed
+        # for another reason (a diverged loss) then runs again from its checkpoint and fails alike
         tuner = tune.Tuner.restore(str(exp_path), trainable=bind(state["setup"]), resume_unfinished=True,
-                                   resume_errored=False, restart_errored=False)
+                                   resume_errored=bool(state.get("store_lost")), restart_errored=False)
         if progress:
             progress(f"resuming {exp_path} (parent MLflow run {parent.run_id}; {previous_wall:.0f} s so far)")
     else:
@@ -179,8 +185,11 @@ def run_sweep(space: SearchSpace, *, overrides: list[str] | None = None, smoke: 
     state_path.write_text(json.dumps({**state, "wall_s": wall}))
     table = (results_table(saved_trials(exp_path), searched, label, parent.run_id) if grid is not None
              else pd.DataFrame())
-    return _finish(space, table, searched, parent, exp_path, name, wall, expected,
-                   interrupted=grid is None or bool(received), signals=received)
+    result = _finish(space, table, searched, parent, exp_path, name, wall, expected,
+                     interrupted=grid is None or bool(received), signals=received)
+    lost = bool(result.reason) or any("TrackingStoreError" in r for r in result.failures.values())
+    state_path.write_text(json.dumps({**json.loads(state_path.read_text()), "store_lost": lost}))
+    return result
 
 
 def _open_parent(space: SearchSpace, base_cfg, raw: dict, name: str, samples: int, expected: int, smoke: bool,
@@ -235,7 +244,9 @@ def _finish(space: SearchSpace, table: pd.DataFrame, searched: list[str], parent
     finished = int((table["status"] == "OK").sum()) if len(table) else 0
     failed_rows = table[table["status"] == "FAILED"] if len(table) else table
     failures = {str(r["trial"]): str(r["error"]) for _, r in failed_rows.iterrows()}
-    complete = not interrupted and finished + len(failures) >= expected
+    lost = parent.enabled and (any("TrackingStoreError" in r for r in failures.values())
+                               or store_lost(tracking_uri()))
+    complete = not interrupted and not lost and finished + len(failures) >= expected
     best_config: dict[str, Any] = {}
     best_metrics: dict[str, float] = {}
     if complete:
@@ -249,23 +260,37 @@ def _finish(space: SearchSpace, table: pd.DataFrame, searched: list[str], parent
     else:
         status = "INTERRUPTED"
     exit_code = {"FINISHED": 0, "FAILED": 1}.get(status, 143 if signal.SIGTERM in signals else 130)
-    if parent.enabled:
-        if len(table):
-            log_table(parent, table, exp_path, space.metric, f"{name}: {space.metric} of every trial")
-        parent.log_metrics({"sweep/trials": float(len(table)), "sweep/expected_trials": float(expected),
-                            "sweep/finished": float(finished), "sweep/failed": float(len(failures)),
-                            "sweep/wall_s": wall})
-        if best_config:
-            # params cannot change, and a sweep is complete only once: tags hold the same best
-            parent.log_params({f"best.{k}": v for k, v in best_config.items()})
-            parent.set_tags({f"best.{k}": v for k, v in best_config.items()})
-            parent.log_metrics({f"best/{k}": v for k, v in best_metrics.items()})
-        parent.set_tags({"pfl.status": status.lower()})
-        if status == "INTERRUPTED":
-            kill_unfinished_children(parent.run_id)
-        parent.end({"FINISHED": "FINISHED", "FAILED": "FAILED"}.get(status, "KILLED"))
+    reason = ""
+    if lost and not signals:
+        reason, exit_code = f"the MLflow tracking store stopped answering ({tracking_uri()})", 1
+    try:
+        if parent.enabled and not lost:
+            _close_parent(parent, table, exp_path, space, name, expected, finished, failures, wall,
+                          best_config, best_metrics, status)
+    except TrackingStoreError as err:  # gone while the summary was written: resume writes it again
+        reason, exit_code, status = f"{err}", 1, "INTERRUPTED"
     return SweepResult(table, best_config, best_metrics, parent.run_id, str(exp_path), wall, status=status,
-                       exit_code=exit_code, failures=failures, expected_trials=expected)
+                       exit_code=exit_code, failures=failures, expected_trials=expected, reason=reason)
+
+
+def _close_parent(parent: Tracker, table: pd.DataFrame, out: Path, space: SearchSpace, name: str, expected: int,
+                  finished: int, failures: dict[str, str], wall: float, best_config: dict[str, Any],
+                  best_metrics: dict[str, float], status: str) -> None:
+    """The sweep's summary on its MLflow parent run, and the run's end."""
+    if len(table):
+        log_table(parent, table, out, space.metric, f"{name}: {space.metric} of every trial")
+    parent.log_metrics({"sweep/trials": float(len(table)), "sweep/expected_trials": float(expected),
+                        "sweep/finished": float(finished), "sweep/failed": float(len(failures)),
+                        "sweep/wall_s": wall})
+    if best_config:
+        # params cannot change, and a sweep is complete only once: tags hold the same best
+        parent.log_params({f"best.{k}": v for k, v in best_config.items()})
+        parent.set_tags({f"best.{k}": v for k, v in best_config.items()})
+        parent.log_metrics({f"best/{k}": v for k, v in best_metrics.items()})
+    parent.set_tags({"pfl.status": status.lower()})
+    if status == "INTERRUPTED":
+        kill_unfinished_children(parent.run_id)
+    parent.end({"FINISHED": "FINISHED", "FAILED": "FAILED"}.get(status, "KILLED"))
 
 
 class _DropTuneNoise(logging.Filter):
