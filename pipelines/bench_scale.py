@@ -15,6 +15,9 @@ clients). Measured in the child:
   is built: imports, the population's labels and partition (the partition cache empty), the model
   (``sim_s`` in the CSV: the simulator's part, without the imports);
 * **s/round**: mean wall time of training rounds 2..R (round 1 is a warm-up), no evaluation;
+  **CPU s/round**: the process's CPU time over the same rounds (``time.process_time``: on a shared
+  machine the wall time moves with the other jobs' load, the CPU time much less; waits on the disk
+  are in the wall time only);
 * **eval s**: one evaluation of ``federation.eval_clients`` = 1,000 clients (the same sample at
   every population);
 * **ckpt s**: the first checkpoint after R rounds, then the next one after one more round (a disk
@@ -27,9 +30,11 @@ clients). Measured in the child:
 Each row runs ``--repeats`` times, all rows in turn before the next repeat, and the table shows
 medians (``round_s_runs`` in the CSV: every run's s/round); the full evaluation is timed in the first
 repeat only. The load average of the machine is read before and after each run and the table shows
-its range (the machine is shared: times are noisy under load; compare rows of one table). FPFC is not run: its server keeps θ and v, two
-(m, m, p) tensors, so with this model (p = 34,186) it needs 2·m²·p·4 bytes — 27 GB at m = 100 —
-and stops at m ≈ 125 on a 4 GiB budget (m ≈ 450 with softmax regression); the table says so.
+its range (the machine is shared: times are noisy under load; compare rows of one table).
+
+FPFC is not run: its server keeps θ and v, two dense (m, m, p) tensors, so with this model
+(p = 34,186) it needs 2·m²·p·4 bytes — 2.7 GB at m = 100, 273 GB at m = 1,000 — and stops at
+m ≈ 125 on a 4 GiB budget (m ≈ 450 with softmax regression); the table says so.
 
 Prints the table, logs it (CSV, Markdown) and a plot (s/round, peak RSS, start-up and checkpoint
 time against the population) to an MLflow run ``bench_scale``. The goals (issue 27): s/round at
@@ -78,11 +83,12 @@ def child(spec: dict) -> dict:
     t_cfg = time.perf_counter()
     sim = Simulator(cfg)
     startup = time.perf_counter() - t0
-    rounds = []
+    rounds, cpu = [], []
     for _ in range(spec["rounds"]):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         sim.run_round(evaluate=False)
         rounds.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
     start = time.perf_counter()
     metrics = sim.evaluate()
     eval_s = time.perf_counter() - start
@@ -97,6 +103,7 @@ def child(spec: dict) -> dict:
     out = {
         "startup_s": startup, "sim_s": startup - (t_cfg - t0),
         "round_s": statistics.mean(rounds[1:]) if len(rounds) > 1 else rounds[0],
+        "round_cpu_s": statistics.mean(cpu[1:]) if len(cpu) > 1 else cpu[0],
         "rounds_s": [round(r, 3) for r in rounds], "eval_s": eval_s, "eval_acc": metrics.get("test/acc_mean"),
         "ckpt_first_s": ckpt_first, "ckpt_next_s": ckpt_next, "ckpt_mb": du(ckpt) + du(clients_dir(ckpt)),
         "store": sim.store.kind, "store_mb": du(sim.store.root) if sim.store.kind == "disk" else 0.0,
@@ -149,17 +156,19 @@ def fpfc_gb(m: int) -> float:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| method | clients | store | start-up s | s/round | x 1k | eval s (1k) | full eval s | ckpt s (first, next) "
-            "| ckpt MB | store MB | stored | peak RSS MiB | load |")
+    head = ("| method | clients | store | start-up s | s/round | x 1k | eval s (1k) | full eval s "
+            "| ckpt s (first, next) | ckpt MB | store MB | stored | peak RSS MiB | load |")
+    head = head.replace("| x 1k |", "| x 1k | CPU s/round | CPU x 1k |")
     lines = [head, "|" + "|".join("---" for _ in range(head.count("|") - 1)) + "|"]
     for r in rows:
         if r.get("skipped"):
-            lines.append(f"| {r['method']} | {r['clients']:,} | — | not run: {r['skipped']} |" + " |" * 10)
+            lines.append(f"| {r['method']} | {r['clients']:,} | — | not run: {r['skipped']} |" + " |" * 12)
             continue
         full = f"{r['full_eval_s']:.0f}" if "full_eval_s" in r else "—"
         lines.append(
             f"| {r['method']} | {r['clients']:,} | {r['store']} | {r['startup_s']:.1f} | {r['round_s']:.2f} | "
-            f"{r.get('x_1k', float('nan')):.2f} | {r['eval_s']:.1f} | {full} | {r['ckpt_first_s']:.2f}, "
+            f"{r.get('x_1k', float('nan')):.2f} | {r['round_cpu_s']:.2f} | {r.get('cpu_x_1k', float('nan')):.2f} | "
+            f"{r['eval_s']:.1f} | {full} | {r['ckpt_first_s']:.2f}, "
             f"{r['ckpt_next_s']:.2f} | {r['ckpt_mb']:.0f} | {r['store_mb']:.0f} | {r['stored']:,} | "
             f"{r['peak_rss_mib']:.0f} | {r['load_before']:.1f}–{r['load_after']:.1f} |")
     return "\n".join(lines)
@@ -171,8 +180,8 @@ def plot(rows: list[dict], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
-    keys = [("round_s", "s/round"), ("peak_rss_mib", "peak RSS (MiB)"), ("startup_s", "start-up (s)"),
+    fig, axes = plt.subplots(1, 5, figsize=(20, 3.6))
+    keys = [("round_s", "s/round (wall)"), ("round_cpu_s", "CPU s/round"), ("peak_rss_mib", "peak RSS (MiB)"), ("startup_s", "start-up (s)"),
             ("ckpt_next_s", "checkpoint after one round (s)")]
     series = sorted({(r["method"], r["store_choice"]) for r in rows if not r.get("skipped")})
     for ax, (key, label) in zip(axes, keys):
@@ -181,6 +190,7 @@ def plot(rows: list[dict], path: Path) -> Path:
                          if not r.get("skipped") and r["method"] == method and r["store_choice"] == store)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{method} ({store})")
         ax.set_xscale("log")
+        ax.set_ylim(bottom=0)
         ax.set_xlabel("clients")
         ax.set_title(label)
         ax.grid(alpha=0.3)
@@ -221,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
                 r = measure(spec)
                 runs[(method, m, store)].append(r)
                 print(f"{method:<7} {m:>7,} {store:<5} -> {r['store']:<6} start-up {r['startup_s']:5.1f} s  "
-                      f"{r['round_s']:.2f} s/round  eval {r['eval_s']:.1f} s  ckpt {r['ckpt_first_s']:.2f}/"
+                      f"{r['round_s']:.2f} s/round ({r['round_cpu_s']:.2f} CPU)  eval {r['eval_s']:.1f} s  ckpt {r['ckpt_first_s']:.2f}/"
                       f"{r['ckpt_next_s']:.2f} s  peak {r['peak_rss_mib']:.0f} MiB  load {r['load_before']:.1f}",
                       flush=True)
     finally:
@@ -229,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     for (method, m, store), done in runs.items():
         row = dict(done[0])
-        for key in ("startup_s", "round_s", "eval_s", "ckpt_first_s", "ckpt_next_s"):
+        for key in ("startup_s", "round_s", "round_cpu_s", "eval_s", "ckpt_first_s", "ckpt_next_s"):
             row[key] = statistics.median(r[key] for r in done)
         row["peak_rss_mib"] = max(r["peak_rss_mib"] for r in done)  # the worst (the full evaluation's run)
         row["round_s_runs"] = " ".join(f"{r['round_s']:.2f}" for r in done)
@@ -241,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         ref = next((x for x in rows if x["method"] == r["method"] and x["clients"] == smallest
                     and x["store_choice"] == "auto"), None)
         r["x_1k"] = r["round_s"] / ref["round_s"] if ref else float("nan")
+        r["cpu_x_1k"] = r["round_cpu_s"] / ref["round_cpu_s"] if ref else float("nan")
     rows += [{"method": "fpfc", "clients": m, "skipped": f"θ and v need {fpfc_gb(m):,.0f} GB (2·m²·p floats, "
               f"p = {PARAMS:,})"} for m in sorted(args.populations)]
     cpus = os.cpu_count()
@@ -262,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             key = f"{r['method']}_{r['store_choice']}"
             tracker.log_metrics({f"{key}/{k}": float(r[k]) for k in
-                                 ("startup_s", "round_s", "eval_s", "ckpt_first_s", "ckpt_next_s", "ckpt_mb",
+                                 ("startup_s", "round_s", "round_cpu_s", "eval_s", "ckpt_first_s", "ckpt_next_s", "ckpt_mb",
                                   "store_mb", "peak_rss_mib", "load_before")}, step=r["clients"])
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp)
