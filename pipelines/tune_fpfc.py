@@ -167,12 +167,12 @@ class Context:
             return result, stopped(suffix, result, space, self.top, self.args.argv)
         return result, 0
 
-    def mark_selected(self, result, lam: float) -> None:
-        """The λ a sweep selected, as the tag its trials carry when they select one."""
+    def mark_selected(self, result, lams: list[float]) -> None:
+        """The λ a sweep selected (per seed), as the tag its trials carry when they select one."""
         from pfl.tracking import client
 
         if result.parent_run_id:
-            client().set_tag(result.parent_run_id, "pfl.selected_lambda", f"{lam:g}")
+            client().set_tag(result.parent_run_id, "pfl.selected_lambda", " ".join(f"{v:g}" for v in lams))
 
     def ok_rows(self, table):
         return [row for _, row in table.iterrows() if row["status"] == "OK"]
@@ -193,7 +193,7 @@ class Context:
         self.search = [self.path_record(row, stages=False) for row in self.ok_rows(result.table)]
         self.best_trial = best_row(result.table, self.metric, self.sign)
         self.paths.append(self.path_record(self.best_trial, stages=True))
-        self.mark_selected(result, self.paths[0]["selected_lambda"])
+        self.mark_selected(result, [self.paths[0]["selected_lambda"]])
         if len(self.seeds) > 1:
             print(f"\n== warmup strategy: the chosen setting on seeds {self.seeds[1:]} ==")
             space = with_search(self.space, self.best_config, {"seed": self.seeds[1:]})
@@ -233,7 +233,7 @@ class Context:
             print(f"separate: {failed} run(s) failed and are not counted (see the sweep's table)")
         per_seed = separate_per_seed(self.runs, self.sign)
         if per_seed:
-            self.mark_selected(result, per_seed[0]["selected_lambda"])
+            self.mark_selected(result, [s["selected_lambda"] for s in per_seed])
         return 0
 
     # ---- records -------------------------------------------------------------------------------
@@ -360,7 +360,8 @@ def finish(ctx, wall: float) -> int:
     top.end("FINISHED")
     print("\n" + text)
     print(f"\npipeline wall time {wall:.0f} s; " + run_hint(top.run_id, what="MLflow pipeline run"))
-    view = runs_table_view(top.run_id, "tune_fpfc", VIEW_COLUMNS, "tune_fpfc: the selected λ and its accuracy at every level")
+    view = runs_table_view(top.run_id, "tune_fpfc", VIEW_COLUMNS,
+                           "tune_fpfc: the selected λ and its accuracy at every level")
     if view:
         print(view)
     return 0
@@ -371,7 +372,7 @@ def selected_trial(ctx):
     only the separate strategy the first seed's best λ."""
     if ctx.best_trial is not None:
         return ctx.best_trial
-    table = getattr(ctx, "separate_table", None)
+    table = ctx.separate_table
     if table is None or not len(table):
         return None
     ok = table[table["status"] == "OK"]

@@ -6,8 +6,8 @@
 
 Starts `mlflow server` on that store (127.0.0.1, a free port), opens it in headless Chromium and
 saves: the sweeps experiment's runs table in the model-training view, through the saved view the
-pipeline prints (its key metric columns; every run expanded), the pipeline run's overview and its
-`plots/lambda_selection.png` in the artifact browser. Needs Chromium (Debian: `apt-get install
+pipeline prints (its key metric columns; every run expanded), the pipeline run's overview, and its
+`plots/lambda_selection.png` and `strategies.md` in the artifact browser. Needs Chromium (Debian: `apt-get install
 chromium`) and the Python package `playwright` (`pip install playwright`; the system Chromium is
 used, so no browser download). The server is stopped at the end, also on an error.
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -72,6 +73,20 @@ def serve(uri: str, port: int, log: Path) -> subprocess.Popen:
     raise SystemExit(f"mlflow server did not answer within 120 s; see {log}")
 
 
+def stop(server: subprocess.Popen) -> None:
+    """The server and its job workers (one process group): SIGTERM, then SIGKILL after a minute."""
+    for sig, wait in ((signal.SIGTERM, 60), (signal.SIGKILL, 30)):
+        try:
+            os.killpg(server.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            server.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
 EXPANDER = "button[data-component-id$='runnamecellrenderer.tsx_46']"   # the [+] beside a parent run's name
 PLUS = "M7.25 7.25V4.5"                                                   # the plus sign's path (collapsed)
 
@@ -108,15 +123,18 @@ def shoot(base: str, run, out: Path, browser_path: str) -> list[Path]:
         "mlflow_pipeline_run.png": (run_url(run_id, exp, base), "Description"),
         "mlflow_lambda_selection.png": (f"{base}/#/experiments/{exp}/runs/{run_id}/artifacts/plots/"
                                         f"lambda_selection.png?{MODEL_TRAINING_VIEW}", "lambda_selection.png"),
+        "mlflow_strategies.png": (f"{base}/#/experiments/{exp}/runs/{run_id}/artifacts/strategies.md"
+                                  f"?{MODEL_TRAINING_VIEW}", "strategies.parquet"),
     }
     written = []
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=browser_path, args=["--no-sandbox", "--disable-gpu"])
-        page = browser.new_page(viewport={"width": 1600, "height": 1100}, device_scale_factor=1)
         for name, (url, ready) in pages.items():
+            # a new page each time: from one artifact to another only the address's hash changes
+            page = browser.new_page(viewport={"width": 1600, "height": 1100}, device_scale_factor=1)
             page.goto(url, wait_until="load")  # never "networkidle": the runs table refreshes itself
             page.get_by_text(ready).first.wait_for(timeout=180_000)
-            page.wait_for_timeout(4000)
+            page.wait_for_timeout(8000)  # the page's own requests after its first paint
             tidy(page)
             if name == "mlflow_experiment.png":
                 expand_all(page)
@@ -126,6 +144,7 @@ def shoot(base: str, run, out: Path, browser_path: str) -> list[Path]:
                     more.first.click()
             page.wait_for_timeout(2000)
             page.screenshot(path=str(out / name))
+            page.close()
             written.append(out / name)
         browser.close()
     return written
@@ -159,8 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 files = shoot(f"http://127.0.0.1:{port}", run, Path(args.out), browser)
             finally:
-                os.killpg(server.pid, 15)
-                server.wait(timeout=30)
+                stop(server)
     for path in files:
         print(path)
     return 0

@@ -218,5 +218,5 @@ def kill_unfinished_children(parent_run_id: str | None) -> None:
         mc.set_terminated(run.info.run_id, status="KILLED")
 
 
-__all__ = ["MlflowStatusCallback", "SweepResult", "failure_reason", "kill_unfinished_children", "log_table",
-           "results_table", "saved_trials", "expected_trials"]
+__all__ = ["MlflowStatusCallback", "SweepResult", "display_value", "failure_reason", "kill_unfinished_children",
+           "log_table", "ranked", "results_table", "saved_trials", "expected_trials"]
