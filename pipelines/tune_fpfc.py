@@ -335,7 +335,7 @@ def finish(ctx, wall: float) -> int:
         name = row["strategy"]
         metrics = {}
         for key, value in row.items():
-            if key in ("strategy", "seeds") or not isinstance(value, (int, float)) or value != value:
+            if key == "strategy" or not isinstance(value, (int, float)) or value != value:
                 continue
             base, sd = (key[:-3], "_sd") if key.endswith("_sd") else (key, "")
             base = {"val": ctx.metric, "test": ctx.metric.replace("val/", "test/"), **ROW_METRICS}.get(base, base)

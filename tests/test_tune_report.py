@@ -81,3 +81,18 @@ def test_the_curves_plot_names_its_sweep_and_the_selection_plot_is_written(tmp_p
                          playoff=[{"lambda": 0.8, "val": 0.81, "lineage": 320}], title="λ selection")
     image = Image.open(out)
     assert image.text["Title"] == "λ selection" and image.size == (760, 720)
+
+
+def test_the_runs_table_view_is_the_envelope_mlflows_ui_reads_and_its_address_keeps_the_key():
+    import json
+
+    from pfl.tracking_store import experiment_url, saved_view
+
+    envelope = json.loads(saved_view("a view", [("metrics", "val/acc_mean"), ("tags", "pfl.selected_lambda")]))
+    assert envelope["name"] == "a view" and isinstance(envelope["createdAt"], int)
+    state = json.loads(envelope["state"])   # a string inside the envelope, as the UI stores it
+    assert state["selectedColumns"] == ["metrics.`val/acc_mean`", "tags.`pfl.selected_lambda`"]
+    # the bare experiment address redirects to its runs tab and loses the key: the runs tab itself
+    assert experiment_url("7", "http://mlflow.example:5000/", "tune_fpfc") == \
+        "http://mlflow.example:5000/#/experiments/7/runs?workflowType=machine_learning&viewStateShareKey=tune_fpfc"
+    assert experiment_url("7", "sqlite:////tmp/x.db").startswith("http://127.0.0.1:5000/#/experiments/7/runs?")
