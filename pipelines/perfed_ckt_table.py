@@ -33,6 +33,7 @@ from pfl.resolver import load, with_overrides  # noqa: E402
 from pfl.data import load_federated  # noqa: E402
 from pfl.runner import TableRun, format_bytes  # noqa: E402
 from pfl.schema import ConfigError  # noqa: E402
+from pfl.markdown import frame_table  # noqa: E402
 from pfl.tracking import run_hint  # noqa: E402
 
 ARCHS = ["cnn_fpfc", "mlp", "cnn_fedavg"]
@@ -162,8 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     table = pd.DataFrame(rows)
     by = {(r["scenario"], r["run"]): r for r in rows}
     k_true = args.clusters
-    with pd.option_context("display.max_columns", 20, "display.width", 200, "display.max_colwidth", 40):
-        text = table.drop(columns=["run_id"]).to_string(index=False, float_format=lambda v: f"{v:.4f}")
+    text = frame_table(table.drop(columns=["run_id"]))  # a pipe table: MLflow renders the .md
     print("\n== PerFed-CKT table ==")
     print(text)
     if len(rows) < len(runs(args)):
