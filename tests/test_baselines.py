@@ -396,21 +396,25 @@ def test_compare_baselines_pipeline_logs_parent_table_and_children(tmp_path):
         ["fedavg", "scaffold", "fedrep"], scenario="digits_dir05", quick=True,
         overrides=["data.source=digits", "data.max_samples=null", "data.num_clients=6", "federation.rounds=2",
                    "federation.clients_per_round=3", "federation.eval_every=1"],
-        out=tmp_path, progress=None)
+        out=tmp_path, progress=None, seeds=[0, 1], last=2)
     table = result["table"]
     assert list(table["method"]) == ["fedavg", "scaffold", "fedrep"]
-    assert (table["status"] == "FINISHED").all()
+    assert (table["seeds"] == 2).all()
+    runs = result["records"]
+    assert len(runs) == 6 and all(r["status"] == "FINISHED" for r in runs)
     by = table.set_index("method")
-    assert by.loc["scaffold", "total_bytes"] == 2 * by.loc["fedavg", "total_bytes"]
-    assert by.loc["fedrep", "total_bytes"] < by.loc["fedavg", "total_bytes"]
-    assert math.isnan(by.loc["fedrep", "global_acc"]) and by.loc["fedavg", "global_acc"] > 0
+    assert by.loc["scaffold", "total_bytes_mean"] == 2 * by.loc["fedavg", "total_bytes_mean"]
+    assert by.loc["fedrep", "total_bytes_mean"] < by.loc["fedavg", "total_bytes_mean"]
+    assert math.isnan(by.loc["fedrep", "global_acc_mean"]) and by.loc["fedavg", "global_acc_mean"] > 0
+    assert (table["mark"] == "ref").sum() == 1   # the best row is the reference
     text = (tmp_path / "baselines_table.md").read_text()
-    assert sum(ln.startswith("|") for ln in text.splitlines()) == 5 and "CIFAR-10" in text
+    assert sum(ln.startswith("|") for ln in text.splitlines()) == 5 and "CIFAR-10" in text and "±" in text
     mc = client()
     parent = mc.get_run(result["parent_run_id"])
     artifacts = {a.path for a in mc.list_artifacts(parent.info.run_id)}
-    assert {"baselines_table.csv", "baselines_table.md"} <= artifacts
+    assert {"baselines_table.csv", "baselines_table.md", "baselines_table_runs.csv"} <= artifacts
     children = mc.search_runs([parent.info.experiment_id],
                               filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
-    assert sorted(r.info.run_name for r in children) == ["fedavg", "fedrep", "scaffold"]
+    assert sorted(r.info.run_name for r in children) == sorted(f"{m} [seed {s}]" for m in ("fedavg", "fedrep", "scaffold")
+                                                               for s in (0, 1))
     assert all("test/acc_mean" in r.data.metrics for r in children)
