@@ -97,7 +97,8 @@ def kind(method: str) -> str:
 
 def measure(summary) -> dict:
     f = summary.final
-    return {"global_acc": f.get("global/test_acc", float("nan")), "total_bytes": f.get("comm/total_bytes", 0.0),
+    return {"global_acc": f.get("global/test_acc", float("nan")), "ari": f.get("cluster/ari", float("nan")),
+            "total_bytes": f.get("comm/total_bytes", 0.0),
             "up_bytes": f.get("comm/up_bytes", 0.0), "down_bytes": f.get("comm/down_bytes", 0.0)}
 
 
@@ -120,12 +121,12 @@ def run(methods: list[str], scenario: str = "fmnist_dir01", quick: bool = False,
     result = compare(
         "baselines_table", rows, seeds, track=track, last=last, reference="best", outdir=out, progress=progress,
         params={**shared, "methods": ",".join(methods), "scenario": scenario, "quick": quick, "last": last},
-        columns=[("global_acc", "global acc %", 100.0, 2)],
+        columns=[("global_acc", "global acc %", 100.0, 2), ("ari", "cluster ARI", 1.0, 3)],
         text_columns=[("kind", lambda r: kind(r["row"])),
                       ("total bytes", lambda r: format_bytes(r.get("total_bytes_mean", 0.0))),
                       ("paper C10 non-IID", paper)],
         notes=["Reference: the best row. global acc: the global model on every client's test split (– where the "
-               "method has none); bytes: training traffic, both directions, per run. The last column is the "
+               "method has none); cluster ARI: clustered methods' assignment against the true clusters; bytes: training traffic, both directions, per run. The last column is the "
                "FedSLR paper's Table 1 on CIFAR-10 non-IID (ResNet-18-GN, 1,000 rounds), a different data set "
                "and scale: compare the ranking of the methods, not the numbers."])
     table = pd.DataFrame([{"method": r["row"], "kind": kind(r["row"]),
