@@ -7,7 +7,6 @@ FPFC and FPFC-L1 are checked on the first-order optimality (KKT) conditions of t
 
 import numpy as np
 import pytest
-import torch
 
 from truth import affine_fixed_point, close, least_squares, params_of, run_rounds, simulator, vec
 
