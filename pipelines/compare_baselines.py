@@ -126,7 +126,8 @@ def run(methods: list[str], scenario: str = "fmnist_dir01", quick: bool = False,
                       ("total bytes", lambda r: format_bytes(r.get("total_bytes_mean", 0.0))),
                       ("paper C10 non-IID", paper)],
         notes=["Reference: the best row. global acc: the global model on every client's test split (– where the "
-               "method has none); cluster ARI: clustered methods' assignment against the true clusters; bytes: training traffic, both directions, per run. The last column is the "
+               "method has none); cluster ARI: clustered methods' assignment against the true clusters; "
+               "bytes: training traffic, both directions, per run. The last column is the "
                "FedSLR paper's Table 1 on CIFAR-10 non-IID (ResNet-18-GN, 1,000 rounds), a different data set "
                "and scale: compare the ranking of the methods, not the numbers."])
     table = pd.DataFrame([{"method": r["row"], "kind": kind(r["row"]),

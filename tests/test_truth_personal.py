@@ -71,7 +71,8 @@ def test_ditto_lambda_zero_personal_model_is_the_local_optimum(problem):
 @pytest.mark.parametrize("mix", ["params", "logits"])
 def test_apfl_simultaneous_updates_of_w_v_and_alpha(problem, mix):
     """For a linear model a mixture of outputs is the mixture of parameters, so both modes must give
-    the paper's updates: w ← w − η∇f(w), v ← v − ηα∇f(v̄), α ← clip(α − η_α⟨v − w, ∇f(v̄)⟩ (+ cα))."""
+    the paper's updates: w ← w − η∇f(w), v ← v − ηα∇f(v̄),
+    α ← clip(α − η_α⟨v − w, ∇f(v̄)⟩ (+ cα))."""
     p, a0, a_lr, c = problem, 0.4, 0.3, 0.02
     sim = simulator(p, "apfl", steps=K, lr=LR, method__alpha=a0, method__alpha_lr=a_lr, method__alpha_l2=c,
                     method__mix=mix)

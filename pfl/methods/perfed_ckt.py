@@ -194,7 +194,8 @@ class PerFedCKT(Method):
     attackable_uplink = False
     uplink_note = "it uploads public-set logits"
     cohort = "sequential"
-    metric_names = ("ckt/public_rows", "ckt/public_overlap", "ckt/stored", "cluster/num", "cluster/ari", "cluster/ari_arch",
+    metric_names = ("ckt/public_rows", "ckt/public_overlap", "ckt/stored", "cluster/num", "cluster/ari",
+                    "cluster/ari_arch",
                     "cluster/size_max", "cluster/size_min", "cluster/singletons")
 
     # ---- setup -------------------------------------------------------------------------------
