@@ -195,8 +195,7 @@ class PerFedCKT(Method):
     uplink_note = "it uploads public-set logits"
     cohort = "sequential"
     metric_names = ("ckt/public_rows", "ckt/public_overlap", "ckt/stored", "cluster/num", "cluster/ari",
-                    "cluster/ari_arch",
-                    "cluster/size_max", "cluster/size_min", "cluster/singletons")
+                    "cluster/ari_arch", "cluster/size_max", "cluster/size_min", "cluster/singletons")
 
     # ---- setup -------------------------------------------------------------------------------
     def configure(self) -> None:
