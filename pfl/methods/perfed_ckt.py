@@ -84,7 +84,8 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 class PerFedCKTHparams:
     """PerFed-CKT: logits-only co-distillation towards the client's k-means cluster centroid."""
     k: int = hp(2, "number of clusters K (1 = unclustered co-distillation towards the mean)", low=1)
-    lam: float = hp(1.0, "weight λ of the distillation regulariser (0 = Local)", low=0.0)
+    lam: float = hp(0.1, "weight λ of the distillation regulariser (0 = Local; 0.1 from a sweep over seeds, "
+                    "docs/methods/perfed_ckt.md §8)", low=0.0)
     temperature: float = hp(1.0, "softmax temperature T of kl / mse_probs (and cluster_space=probs)",
                             low=0.0, low_open=True)
     reg: str = hp("kl", "regulariser ρ(student logits, centroid): T²·KL(teacher‖student), squared "
