@@ -57,8 +57,9 @@ def test_fedavg_uniform_weighting_and_partial_participation(problem):
     assert close(vec(sim.method.global_model), expected)
 
 
-def test_fedprox_fixed_point_has_the_proximal_pull(problem):
-    p, mu = problem, 2.0
+@pytest.mark.parametrize("mu", [1.0, 2.0])
+def test_fedprox_fixed_point_has_the_proximal_pull(problem, mu):
+    p = problem
     sim = simulator(p, "fedprox", steps=K, lr=LR, method__mu=mu)
     w0 = vec(sim.method.global_model)
     run_rounds(sim, 1)
@@ -94,14 +95,15 @@ def test_local_reaches_each_clients_least_squares_solution(problem):
 
 # ---- FedOpt: the server optimisers of Reddi et al. (and FedAvgM) -----------------------------------
 
-@pytest.mark.parametrize("name", ["fedadam", "fedadagrad", "fedyogi", "fedavgm"])
-def test_fedopt_server_rule_over_three_rounds(problem, name):
+@pytest.mark.parametrize("name, v_init", [("fedadam", "zero"), ("fedadagrad", "zero"), ("fedyogi", "zero"),
+                                          ("fedavgm", "zero"), ("fedadam", "tau2"), ("fedyogi", "tau2")])
+def test_fedopt_server_rule_over_three_rounds(problem, name, v_init):
     p = problem
-    sim = simulator(p, name, steps=K, lr=LR)
+    sim = simulator(p, name, steps=K, lr=LR, method__v_init=v_init, method__tau=0.05)
     hp = sim.method.hp
     theta = vec(sim.method.global_model)
     m = np.zeros_like(theta)
-    v = np.zeros_like(theta)
+    v = np.full_like(theta, hp.tau ** 2 if v_init == "tau2" else 0.0)  # the paper's v₋₁ = τ²
     local_avg = _fedavg_map(p, _sample_weights(p))
     for _ in range(3):
         delta = local_avg(theta) - theta
@@ -132,8 +134,9 @@ def test_scaffold_reaches_the_joint_optimum_where_fedavg_drifts(problem):
     assert not close(affine_fixed_point(_fedavg_map(p, np.full(p.m, 1 / p.m)), p.dim), x_star, 1e-3)
 
 
-def test_scaffold_one_round_with_partial_participation_by_hand(problem):
-    p, eta_g = problem, 0.7
+@pytest.mark.parametrize("steps", [1, 3])
+def test_scaffold_one_round_with_partial_participation_by_hand(problem, steps):
+    p, eta_g, K = problem, 0.7, steps
     sim = simulator(p, "scaffold", steps=K, lr=LR, per_round=2, method__server_lr=eta_g)
     theta = vec(sim.method.global_model)
     sampled = sim.sample(0)
@@ -182,3 +185,23 @@ def test_feddyn_one_round_with_partial_participation_by_hand(problem):
     ws1 = {i: p.gd(i, theta1, K, LR, pull=(alpha, theta1), shift=-g[i]) for i in sampled1}
     h1 = h - alpha * sum(ws1[i] - theta1 for i in sampled1) / p.m
     assert close(vec(sim.method.global_model), sum(ws1.values()) / 2 - h1 / alpha)
+
+
+def test_feddyn_clips_the_corrected_gradient(problem):
+    """max_grad_norm: every step's ∇f_k + α(w − θ) − g_k is scaled to global norm ≤ c."""
+    p, alpha, c = problem, 0.5, 0.8
+    sim = simulator(p, "feddyn", steps=K, lr=LR, method__alpha=alpha, method__max_grad_norm=c)
+    theta = vec(sim.method.global_model)
+    run_rounds(sim, 1)
+    ws, clipped = [], 0
+    for i in range(p.m):
+        w = theta.copy()
+        for _ in range(K):
+            g = p.grad(i, w) + alpha * (w - theta)
+            norm = np.linalg.norm(g)
+            clipped += norm > c
+            w = w - LR * (g * min(1.0, c / norm))
+        ws.append(w)
+    assert clipped > 0  # the clip is active in this example
+    h = -alpha * sum(w - theta for w in ws) / p.m
+    assert close(vec(sim.method.global_model), sum(ws) / p.m - h / alpha)
