@@ -69,6 +69,7 @@ def test_ditto_newcomer_runs_the_personal_task_around_the_final_global_model(pro
                             newcomers__finetune_rounds=2)
     g = vec(final)
     assert close(vec(sim.personal_params(n)), p.gd(n, g, 2 * epochs, LR, pull=(lam, g)))
+    assert sim.ledger.join_down_bytes == 4 * p.dim and sim.ledger.join_up_bytes == 0  # the model, once
 
 
 def test_ifca_newcomer_picks_the_model_with_the_lowest_training_loss(problem):
