@@ -31,21 +31,27 @@ def _same_partition(labels, truth) -> bool:
 
 # ---- IFCA ----------------------------------------------------------------------------------------
 
-def test_ifca_clients_pick_the_lowest_loss_model_and_each_model_reaches_its_clusters_fixed_point(problem):
+@pytest.mark.parametrize("weighting", ["uniform", "samples"])
+def test_ifca_clients_pick_the_lowest_loss_model_and_each_model_reaches_its_clusters_fixed_point(problem, weighting):
     p = problem
-    sim = simulator(p, "ifca", steps=K, lr=LR, method__k=2)
+    sim = simulator(p, "ifca", steps=K, lr=LR, method__k=2, method__weighting=weighting)
     like = sim.method.models[0]
     starts = [np.array([0.0, 0.0, 0.0]), np.array([6.0, 3.0, 0.0])]  # two start points, no optimum in them
     sim.method.models = [params_of(s, like) for s in starts]
     choice = [int(np.argmin([p.loss(i, s) for s in starts])) for i in range(p.m)]
     assert choice == TRUE
     run_rounds(sim, 1)
+    def weights(members):
+        n = np.array([p.n(i) for i in members], dtype=float)
+        return n / n.sum() if weighting == "samples" else None
+
     for j in (0, 1):
         members = [i for i in range(p.m) if choice[i] == j]
-        assert close(vec(sim.method.models[j]), _cluster_map(p, members)(starts[j]))
+        assert close(vec(sim.method.models[j]), _cluster_map(p, members, weights(members))(starts[j]))
     run_rounds(sim, 30)
     for j in (0, 1):
-        fixed = affine_fixed_point(_cluster_map(p, [i for i in range(p.m) if TRUE[i] == j]), p.dim)
+        members = [i for i in range(p.m) if TRUE[i] == j]
+        fixed = affine_fixed_point(_cluster_map(p, members, weights(members)), p.dim)
         assert close(vec(sim.method.models[j]), fixed, 1e-5)
     sim.evaluate()
     assert sim.method.cluster_assignment() == {i: TRUE[i] for i in range(p.m)}

@@ -68,14 +68,14 @@ def test_ditto_lambda_zero_personal_model_is_the_local_optimum(problem):
 
 # ---- APFL ----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("mix", ["params", "logits"])
-def test_apfl_simultaneous_updates_of_w_v_and_alpha(problem, mix):
+@pytest.mark.parametrize("mix, adaptive", [("params", True), ("logits", True), ("params", False)])
+def test_apfl_simultaneous_updates_of_w_v_and_alpha(problem, mix, adaptive):
     """For a linear model a mixture of outputs is the mixture of parameters, so both modes must give
     the paper's updates: w ← w − η∇f(w), v ← v − ηα∇f(v̄),
     α ← clip(α − η_α⟨v − w, ∇f(v̄)⟩ (+ cα))."""
     p, a0, a_lr, c = problem, 0.4, 0.3, 0.02
     sim = simulator(p, "apfl", steps=K, lr=LR, method__alpha=a0, method__alpha_lr=a_lr, method__alpha_l2=c,
-                    method__mix=mix)
+                    method__mix=mix, method__adaptive=adaptive)
     theta = vec(sim.method.global_model)
     v = {i: theta.copy() for i in range(p.m)}
     alpha = {i: a0 for i in range(p.m)}
@@ -87,6 +87,7 @@ def test_apfl_simultaneous_updates_of_w_v_and_alpha(problem, mix):
                 vbar = alpha[i] * v[i] + (1 - alpha[i]) * w
                 g_w, g_bar = p.grad(i, w), p.grad(i, vbar)
                 new_alpha = float(np.clip(alpha[i] - a_lr * (np.dot(v[i] - w, g_bar) + c * alpha[i]), 0, 1))
+                new_alpha = new_alpha if adaptive else alpha[i]
                 v[i] = v[i] - LR * alpha[i] * g_bar
                 w = w - LR * g_w
                 alpha[i] = new_alpha
@@ -97,10 +98,16 @@ def test_apfl_simultaneous_updates_of_w_v_and_alpha(problem, mix):
     for i in range(p.m):
         assert sim.client_states[i]["alpha"].item() == pytest.approx(alpha[i], abs=1e-5)
         assert close(vec(sim.client_states[i]["v"]), v[i])
-    assert len({round(a, 4) for a in alpha.values()}) > 1  # α really moved, per client
-    if mix == "params":
-        for i in (0, 2):
-            assert close(vec(sim.personal_params(i)), alpha[i] * v[i] + (1 - alpha[i]) * theta)
+    assert all((a != a0) == adaptive for a in alpha.values())  # α moved (clipped to [0, 1] for some), or not
+    for i in (0, 2):
+        personal = alpha[i] * v[i] + (1 - alpha[i]) * theta
+        if mix == "params":
+            assert close(vec(sim.personal_params(i)), personal)
+        else:  # the mixture of the two models' outputs, evaluated through the method's forward
+            client = sim.client(i)
+            forward = sim.client_role.eval_forward(client)
+            out = forward(sim.personal_params(i), client.data.x_test).detach().double().numpy()
+            assert close(out, p.design(i) @ personal, 1e-5)
 
 
 # ---- Per-FedAvg ----------------------------------------------------------------------------------
@@ -134,11 +141,14 @@ def test_perfedavg_meta_steps_on_quadratics(problem, variant, tol):
 
 # ---- pFedMe --------------------------------------------------------------------------------------
 
-def test_pfedme_inner_and_outer_iterations_and_server_mixing(problem):
-    p, lam, eta_p, inner, mu, beta, iters = problem, 3.0, 0.05, 5, 1e-3, 0.5, 2
+@pytest.mark.parametrize("local_iters", [2, 0])
+def test_pfedme_inner_and_outer_iterations_and_server_mixing(problem, local_iters):
+    """R = local_iters, or (0) the FedAvg budget: local_steps full-batch iterations."""
+    p, lam, eta_p, inner, mu, beta = problem, 3.0, 0.05, 5, 1e-3, 0.5
+    iters = local_iters or K
     sim = simulator(p, "pfedme", steps=K, lr=LR, method__lam=lam, method__personal_lr=eta_p,
                     method__inner_steps=inner, method__inner_weight_decay=mu, method__beta=beta,
-                    method__local_iters=iters)
+                    method__local_iters=local_iters)
     theta = vec(sim.method.global_model)
     personal = {}
     for _ in range(2):
@@ -200,9 +210,11 @@ def _avg(models, sizes, names):
 BODY, HEAD = ["fc1.weight", "fc1.bias"], ["fc.weight", "fc.bias"]
 
 
-def test_fedrep_head_then_body_and_the_body_average(blobs):
+@pytest.mark.parametrize("body_epochs, eta_g", [(0, 1.0), (2, 0.5)])
+def test_fedrep_head_then_body_and_the_body_average(blobs, body_epochs, eta_g):
     data, arrays = blobs
-    sim = _classifier_sim(data, "fedrep", method__head_epochs=2)
+    sim = _classifier_sim(data, "fedrep", method__head_epochs=2, method__body_epochs=body_epochs,
+                          method__server_lr=eta_g)
     glob = numpy_params(sim.method.global_model)
     heads = {i: {k: glob[k] for k in HEAD} for i in range(len(arrays))}   # own heads start at θ⁰
     sizes = [len(y) for _, y in arrays]
@@ -211,10 +223,11 @@ def test_fedrep_head_then_body_and_the_body_average(blobs):
         for i, (X, y) in enumerate(arrays):
             start = {**{k: glob[k] for k in BODY}, **heads[i]}
             after_head = _gd(start, X, y, HEAD, 2, 0.3)        # head epochs, body frozen
-            after_body = _gd(after_head, X, y, BODY, K, 0.3)   # then body steps, head frozen
+            after_body = _gd(after_head, X, y, BODY, body_epochs or K, 0.3)   # then body steps, head frozen
             heads[i] = {k: after_body[k] for k in HEAD}
             bodies.append(after_body)
-        glob.update(_avg(bodies, sizes, BODY))
+        avg = _avg(bodies, sizes, BODY)
+        glob.update({k: glob[k] + eta_g * (avg[k] - glob[k]) for k in BODY})
     run_rounds(sim, 2)
     for i in range(len(arrays)):
         personal = numpy_params(sim.personal_params(i))
@@ -230,7 +243,7 @@ def test_lgfedavg_local_bodies_and_the_head_average(blobs, warmup):
     glob = numpy_params(sim.method.global_model)
     bodies = {i: {k: glob[k] for k in BODY} for i in range(len(arrays))}
     sizes = [len(y) for _, y in arrays]
-    for rnd in range(2):
+    for rnd in range(3):
         trained = []
         for i, (X, y) in enumerate(arrays):
             # warm-up: FedAvg on the whole model; the first round after it starts from the server's whole model
@@ -239,7 +252,7 @@ def test_lgfedavg_local_bodies_and_the_head_average(blobs, warmup):
             bodies[i] = {k: out[k] for k in BODY}
             trained.append(out)
         glob.update(_avg(trained, sizes, BODY + HEAD if rnd < warmup else HEAD))
-    run_rounds(sim, 2)
+    run_rounds(sim, 3)
     for i in range(len(arrays)):
         personal = numpy_params(sim.personal_params(i))
         for k in BODY + HEAD:

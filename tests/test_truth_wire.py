@@ -105,6 +105,37 @@ def test_fedpd_reaches_the_joint_optimum(problem):
     assert not close(fedavg, p.joint_opt(range(p.m)), 1e-3)
 
 
+def test_fedsplit_one_round_by_hand(problem):
+    """v = 2x̄ − z, z½ = prox_{s f}(v) = (A + I/s)⁻¹(b + v/s) (many accurate steps), z ← z + 2(z½ − x̄)."""
+    p, s = problem, 0.5
+    sim = simulator(p, "fedsplit", steps=25, lr=LR, method__s=s)
+    xbar = vec(sim.method.xbar)
+    z = [xbar.copy() for _ in range(p.m)]
+    for _ in range(2):
+        halves = [np.linalg.solve(p.A(i) + np.eye(p.dim) / s, p.b(i) + (2 * xbar - z[i]) / s) for i in range(p.m)]
+        z = [z[i] + 2 * (halves[i] - xbar) for i in range(p.m)]
+        xbar = sum(z) / p.m
+    run_rounds(sim, 2)
+    assert close(vec(sim.method.xbar), xbar, 1e-4)
+    assert close(vec(sim.client_states[1]["z"]), z[1], 1e-4)
+
+
+def test_fedpd_one_round_by_hand(problem):
+    """K steps on f_i + ⟨λ_i, x − x₀⟩ + ‖x − x₀‖²/(2η) from x_i; λ_i += (x_i − x₀)/η; x₀ = mean(x_i + ηλ_i)."""
+    p, eta = problem, 0.5
+    sim = simulator(p, "fedpd", steps=K, lr=LR, method__eta=eta)
+    x0 = vec(sim.method.x0)
+    x = [x0.copy() for _ in range(p.m)]
+    lam = [np.zeros(p.dim) for _ in range(p.m)]
+    for _ in range(2):
+        x = [p.gd(i, x[i], K, LR, pull=(1 / eta, x0), shift=lam[i]) for i in range(p.m)]
+        lam = [lam[i] + (x[i] - x0) / eta for i in range(p.m)]
+        x0 = sum(x[i] + eta * lam[i] for i in range(p.m)) / p.m
+    run_rounds(sim, 2)
+    assert close(vec(sim.method.x0), x0)
+    assert close(vec(sim.client_states[2]["lam"]), lam[2])
+
+
 def test_fedsplit_with_accurate_proximal_steps_reaches_the_joint_optimum(problem):
     p = problem
     sim = simulator(p, "fedsplit", steps=20, lr=LR, method__s=0.5)
