@@ -138,7 +138,9 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 
 def aggregate(records: Sequence[dict], key: str = "last_mean", reference: str | Callable[[str], str] | None = None,
               skip: Sequence[str] = ("seed", "seconds")) -> list[dict]:
-    """One summary row per (group, row), in first-seen order (see the module docstring).
+    """One summary row per (group, row), in first-seen order (see the module docstring). ``seeds``
+    counts the finished runs with a value; runs whose ``status`` is not FINISHED are counted in
+    ``failed`` and left out of every mean.
 
     ``reference``: None (no comparison), ``"best"`` (the row of the group with the highest mean
     ``key``), a row label, or a function group → row label.
@@ -154,7 +156,12 @@ def aggregate(records: Sequence[dict], key: str = "last_mean", reference: str | 
     out = []
     for k in order:
         recs = by[k]
-        row: dict[str, Any] = {"group": k[0], "row": k[1], "seeds": len(recs)}
+        # a run that failed (diverged, interrupted) is counted apart and never averaged in
+        failed = sum(1 for r in recs if r.get("status", "FINISHED") != "FINISHED")
+        finite = sum(1 for r in recs if r.get("status", "FINISHED") == "FINISHED"
+                     and _numeric(r.get(key)) and r.get(key) == r.get(key))
+        row: dict[str, Any] = {"group": k[0], "row": k[1], "seeds": finite, "failed": failed}
+        recs = [r for r in recs if r.get("status", "FINISHED") == "FINISHED"] or recs
         cols = [c for c in dict.fromkeys(c for r in recs for c in r)
                 if c not in skip and c not in ("group", "row") and all(_numeric(r.get(c)) for r in recs)]
         for c in cols:
@@ -215,7 +222,8 @@ def markdown(rows: Sequence[dict], key: str = "last_mean", columns: Sequence[tup
     head += ["test samples / seed"] + [c[1] for c in columns] + [t for t, _ in text_columns]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = ([r["group"]] if grouped else []) + [r["row"], str(r["seeds"]), fmt(r.get(f"{key}_mean", float("nan")),
+        seeds = str(r["seeds"]) + (f" ({r['failed']} failed)" if r.get("failed") else "")
+        cells = ([r["group"]] if grouped else []) + [r["row"], seeds, fmt(r.get(f"{key}_mean", float("nan")),
                                                            r.get(f"{key}_std", float("nan")), scale)]
         if has_ref:
             cells += ["ref" if r.get("mark") == "ref" else fmt(r.get("delta_mean", float("nan")),

@@ -70,3 +70,11 @@ def test_compare_runs_every_row_for_every_seed_on_the_seeds_data(tmp_path):
     assert summary["fedavg"]["last_mean_mean"] == pytest.approx(sum(fed) / 2)
     assert (tmp_path / "seed_test_runs.csv").read_text().count("\n") == 5
     assert "Δ vs ref" in (tmp_path / "seed_test.md").read_text()
+
+
+def test_a_failed_run_is_counted_apart_and_never_averaged():
+    recs = _records() + [{"group": "g", "row": "A", "seed": 3, "last_mean": 0.0, "bytes": 0.0, "status": "FAILED"}]
+    rows = {r["row"]: r for r in aggregate(recs, reference="A")}
+    assert rows["A"]["seeds"] == 3 and rows["A"]["failed"] == 1
+    assert rows["A"]["last_mean_mean"] == pytest.approx(0.82)
+    assert "3 (1 failed)" in markdown(list(rows.values()))
