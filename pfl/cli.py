@@ -12,8 +12,9 @@ from .schema import ConfigError, describe
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from . import config as config_mod
+    from . import resolver
     from .runner import format_bytes, run_experiment
-    from .tracking import check_store, tracking_uri
+    from .tracking import check_store, run_hint
 
     if args.resume and not args.checkpoint:
         raise ConfigError("--resume", "needs --checkpoint FILE (the checkpoint to continue from)")
@@ -25,7 +26,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         from .tune.space import load_scenario
 
         scenario = load_scenario(args.scenario)
-    cfg = config_mod.load(args.config, overrides, scenario)  # validates everything before any work
+    cfg = resolver.load(args.config, overrides, scenario, plugins=args.plugin)  # validates everything before any work
     if args.print_config:
         print(cfg.to_yaml())
         return 0
@@ -48,8 +49,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
           f"total {int(final.get('comm/total_bytes', 0))} bytes")
     print(f"  time                     {final.get('time/elapsed_s', 0):.1f} s")
     if summary.run_id:
-        print(f"  MLflow run {summary.run_id} in {tracking_uri()}")
-        print(f"  view: mlflow ui --backend-store-uri {tracking_uri()}")
+        print("  " + run_hint(summary.run_id, what="MLflow run"))
     return 0 if summary.status == "FINISHED" else 3
 
 
@@ -61,9 +61,17 @@ def _print_fields(cls: type, indent: str = "    ") -> None:
         print(f"{indent}{name:<22} {tp:<14} default {default!r:<12} {doc}")
 
 
+def _load_cli_plugins(args: argparse.Namespace) -> None:
+    if getattr(args, "plugin", None):
+        from .plugins import load_plugins
+
+        load_plugins(args.plugin, "--plugin")
+
+
 def _cmd_methods(args: argparse.Namespace) -> int:
     from .methods import list_methods
 
+    _load_cli_plugins(args)
     if args.models:
         from .models import list_models
 
@@ -81,6 +89,7 @@ def _cmd_datasets(args: argparse.Namespace) -> int:
     from .config import PARTITION_KINDS
     from .data import list_sources
 
+    _load_cli_plugins(args)
     for spec in list_sources():
         print(f"{spec.name}: {spec.description} (default model: {spec.default_model})")
         _print_fields(spec.params)
@@ -128,13 +137,17 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--checkpoint", help="checkpoint file (saved every federation.checkpoint_every rounds and at the end)")
     run.add_argument("--resume", action="store_true", help="continue from --checkpoint if it exists")
     run.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    plugin_help = "a .py file or module whose @register classes (methods, models, data sources) join pfl's (repeatable)"
+    run.add_argument("--plugin", action="append", metavar="FILE", help=plugin_help)
     run.set_defaults(func=_cmd_run)
     methods = sub.add_parser("methods", help="list methods and their hyperparameters")
     methods.add_argument("--models", action="store_true", help="list models and their parameters instead")
+    methods.add_argument("--plugin", action="append", metavar="FILE", help=plugin_help)
     methods.set_defaults(func=_cmd_methods)
     compressors = sub.add_parser("compressors", help="list message compressors and their parameters")
     compressors.set_defaults(func=_cmd_compressors)
     datasets = sub.add_parser("datasets", help="list data sources and their parameters")
+    datasets.add_argument("--plugin", action="append", metavar="FILE", help=plugin_help)
     datasets.set_defaults(func=_cmd_datasets)
     return parser
 

@@ -3,6 +3,7 @@
 Layout (YAML)::
 
     seed: 0
+    plugins: [my_method.py]                           # own methods/models (pfl/plugins.py)
     data: {source: digits, num_clients: 20, partition: {kind: dirichlet, alpha: 0.5}, ...}
     model: {name: auto, params: {}}
     method: {name: fedavg, <that method's hyperparameters>}
@@ -12,8 +13,11 @@ Layout (YAML)::
     attack: {kind: none, fraction: 0.0, ...}          # Byzantine clients (pfl/federation/attacks.py)
     newcomers: {fraction: 0.0, rounds: 50, ...}       # clients that join after training (pfl/federation/newcomers.py)
 
-Everything is validated by :func:`resolve` before any data is loaded or any model is trained: an
-unknown section, field, method, data source or model, or an out-of-range value, raises
+This module is plain typed data: the sections, YAML in and out, dotted overrides. Checks that need
+a registry (the method's hyperparameters, the data source, the model, the compressors) or that
+span sections live in :mod:`pfl.resolver`, which builds every :class:`ExperimentConfig` a run uses
+(:func:`pfl.resolver.load`, :func:`pfl.resolver.resolve`) before any data is loaded or any model is
+trained: an unknown section, field, method, data source or model, or an out-of-range value, raises
 :class:`~pfl.schema.ConfigError` naming the dotted field and what is allowed.
 """
 
@@ -27,7 +31,7 @@ from typing import Any
 
 import yaml
 
-from .schema import ConfigError, check, flatten, from_dict, hp, to_dict, unknown_key_error
+from .schema import ConfigError, check, hp, to_dict, unknown_key_error
 
 PARTITION_KINDS = ("auto", "natural", "iid", "dirichlet", "shards", "label_swap", "label_shift", "rotation")
 
@@ -66,8 +70,13 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    name: str = hp("auto", "model (see `pfl methods --models`); 'auto' picks the source's default")
-    params: dict = hp(default_factory=dict, doc="model-specific parameters")
+    name: str = hp("auto", "model (see `pfl methods --models`); 'auto' picks the source's default; your own: "
+                           "'path/to/file.py:ClassName' or 'package.module:factory' (docs/your-data.md)")
+    params: dict = hp(default_factory=dict, doc="model-specific parameters (your own model: its keyword arguments)")
+    head: list[str] | None = hp(None, "parameter-name prefixes of the head, for the methods that split body and "
+                                      "head (LG-FedAvg, FedRep-style partial sharing, FedSLR, PerFed-CKT, FPFC's head "
+                                      "scope); null = the model's last layer (your own model: its last nn.Linear, "
+                                      "filled in when the config is resolved)")
 
 
 @dataclass
@@ -154,7 +163,7 @@ class NewcomersConfig:
 
 @dataclass
 class MethodConfig:
-    """``name`` plus that method's hyperparameters, resolved to its dataclass by :func:`resolve`."""
+    """``name`` plus that method's hyperparameters, resolved to its dataclass by :func:`pfl.resolver.resolve`."""
     name: str = "fedavg"
     hparams: Any = None
 
@@ -180,20 +189,15 @@ class CompressionConfig:
                               "sign, randk with scale=false, fp16/bf16)")
     min_numel: int = hp(256, "tensors with fewer entries are sent dense (biases, norms)", low=0)
 
-    def validate(self, path: str) -> None:
-        from .compression import resolve_spec
 
-        self.uplink = resolve_spec(self.uplink, f"{path}.uplink")
-        self.downlink = resolve_spec(self.downlink, f"{path}.downlink")
-
-
-SECTIONS = ("seed", "data", "model", "method", "federation", "tracking", "compression", "attack",
+SECTIONS = ("seed", "plugins", "data", "model", "method", "federation", "tracking", "compression", "attack",
             "newcomers")
 
 
 @dataclass
 class ExperimentConfig:
     seed: int = 0
+    plugins: list[str] = dataclasses.field(default_factory=list)  # pfl/plugins.py: own methods, models
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     method: MethodConfig = dataclasses.field(default_factory=MethodConfig)
@@ -206,6 +210,7 @@ class ExperimentConfig:
     def to_dict(self) -> dict:
         return {
             "seed": self.seed,
+            "plugins": list(self.plugins),
             "data": to_dict(self.data),
             "model": to_dict(self.model),
             "method": self.method.to_dict(),
@@ -218,11 +223,6 @@ class ExperimentConfig:
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
-
-    def replace(self, overrides: dict[str, Any] | list[str]) -> "ExperimentConfig":
-        """A new, validated config with dotted overrides applied."""
-        raw = self.to_dict()
-        return resolve(apply_overrides(raw, overrides))
 
 
 def parse_value(text: str) -> Any:
@@ -278,82 +278,6 @@ def apply_overrides(raw: dict, overrides: dict[str, Any] | list[str] | None) -> 
     return raw
 
 
-def resolve(raw: dict | None) -> ExperimentConfig:
-    """Validate a nested dict into an :class:`ExperimentConfig` (registries included)."""
-    from .data import resolve_data_config
-    from .methods import resolve_method_config
-    from .models import resolve_model_config
-
-    raw = dict(raw or {})
-    for key in raw:
-        if key not in SECTIONS:
-            raise unknown_key_error(key, SECTIONS, "")
-        if key != "seed" and raw[key] is not None and not isinstance(raw[key], dict):
-            raise ConfigError(key, f"expected a mapping of {key} settings, got {raw[key]!r}")
-    seed = raw.get("seed", 0)
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ConfigError("seed", f"expected a non-negative integer, got {seed!r}")
-    data = from_dict(DataConfig, raw.get("data"), "data")
-    resolve_data_config(data)
-    model = from_dict(ModelConfig, raw.get("model"), "model")
-    method_raw = dict(raw.get("method") or {})
-    if not isinstance(raw.get("method", {}), (dict, type(None))):
-        raise ConfigError("method", "expected a mapping with at least 'name'")
-    name = method_raw.pop("name", "fedavg")
-    method = resolve_method_config(name, method_raw)
-    federation = from_dict(FederationConfig, raw.get("federation"), "federation")
-    tracking = from_dict(TrackingConfig, raw.get("tracking"), "tracking")
-    compression = from_dict(CompressionConfig, raw.get("compression"), "compression")
-    attack = from_dict(AttackConfig, raw.get("attack"), "attack")
-    newcomers = from_dict(NewcomersConfig, raw.get("newcomers"), "newcomers")
-    cfg = ExperimentConfig(seed=seed, data=data, model=model, method=method, federation=federation,
-                           tracking=tracking, compression=compression, attack=attack, newcomers=newcomers)
-    resolve_model_config(cfg)
-    from .compression.checks import check_method_compression
-
-    check_method_compression(cfg)
-    _check_attack_and_newcomers(cfg)
-    if federation.driver == "async":
-        from .methods import get_method, list_methods
-
-        if not get_method(name).supports_async:
-            able = ", ".join(m.name for m in list_methods() if m.supports_async)
-            raise ConfigError("federation.driver", f"method {name!r} has no asynchronous form; "
-                                                   f"'async' is allowed for: {able}")
-    return cfg
-
-
-def _check_attack_and_newcomers(cfg: ExperimentConfig) -> None:
-    """What the ``attack`` and ``newcomers`` sections need from the rest of the config."""
-    from .methods import get_method
-
-    m = cfg.data.num_clients
-    if cfg.attack.kind != "none":
-        cls = get_method(cfg.method.name)
-        if not cls.attackable_uplink:
-            raise ConfigError("attack.kind", f"method {cfg.method.name!r} uploads no model ({cls.uplink_note}); "
-                                             "the attacks rewrite model uploads, so use attack.kind=none")
-        # an attacker replaces plain uplink tensors; an encoded uplink (the codec's, or one a method
-        # builds inside its protocol) would need the attack before the encoding: not supported
-        if cls.compresses_uplink:
-            raise ConfigError("attack.kind", f"method {cfg.method.name!r} encodes its own uplink (compresses inside "
-                                             "its protocol); the attacks rewrite plain model uploads, so use "
-                                             "attack.kind=none")
-        if cfg.compression.uplink.get("name", "none") != "none":
-            raise ConfigError("attack.kind", "the attacks rewrite plain model uploads and do not combine with "
-                                             f"compression.uplink ({cfg.compression.uplink['name']!r}); use "
-                                             "attack.kind=none or compression.uplink={name: none}")
-    hparams = cfg.method.hparams
-    if getattr(hparams, "aggregator", "mean") != "mean" and get_method(cfg.method.name).compresses_uplink:
-        # DIANA, LAG inherit FedAvg's keys but combine their own encoded updates, not through reply_average
-        raise ConfigError("method.aggregator", f"method {cfg.method.name!r} combines the encoded updates of its "
-                                               "own protocol; the robust rules do not apply to it: use "
-                                               "aggregator=mean")
-    newcomers = round_share(m, cfg.newcomers.fraction)
-    if newcomers and newcomers >= m:
-        raise ConfigError("newcomers.fraction", f"{cfg.newcomers.fraction} of {m} clients leaves none to train")
-
-
 def round_share(m: int, fraction: float) -> int:
     """round(m·fraction), halves rounded up: how many clients a share of ``m`` is."""
     return int(m * fraction + 0.5)
@@ -391,19 +315,9 @@ def config_notes(cfg: ExperimentConfig) -> list[str]:
     return notes
 
 
-def load(path: str | Path | None = None, overrides: list[str] | dict | None = None,
-         scenario: dict[str, Any] | None = None) -> ExperimentConfig:
-    """Read a YAML file (or start from the defaults), apply overrides, validate.
-
-    ``scenario`` ({dotted key: value}) comes first; the file and then the overrides change it."""
-    raw = read_yaml(path) if path is not None else {}
-    if scenario:
-        raw = apply_overrides(apply_overrides({}, scenario), flatten(raw))
-    return resolve(apply_overrides(raw, overrides))
-
-
 __all__ = [
     "ATTACK_KINDS", "AttackConfig", "CompressionConfig", "ConfigError", "DataConfig", "ExperimentConfig",
-    "FederationConfig", "MethodConfig", "ModelConfig", "NewcomersConfig", "PartitionConfig", "TrackingConfig",
-    "apply_overrides", "check", "load", "parse_value", "resolve", "round_share",
+    "FederationConfig", "MethodConfig", "ModelConfig", "NewcomersConfig", "PartitionConfig", "SECTIONS",
+    "TrackingConfig", "apply_overrides", "check", "config_notes", "parse_value", "parse_yaml_file", "read_yaml",
+    "round_share",
 ]

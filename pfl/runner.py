@@ -18,7 +18,7 @@ from .callbacks.progress import format_bytes, progress_line  # noqa: F401  (re-e
 from .callbacks.tracking import config_params  # noqa: F401
 from .config import ExperimentConfig
 from .federation.loop import Callback, RoundLoop
-from .federation.simulator import simulator_for
+from .federation.drivers import simulator_for
 from .tracking import Tracker
 
 log = logging.getLogger(__name__)

@@ -21,6 +21,7 @@ class ConfigError(ValueError):
 
     def __init__(self, field: str, message: str):
         self.field = field
+        self.message = message  # without the field, for errors that re-raise with more context
         super().__init__(f"{field}: {message}" if field else message)
 
 
@@ -138,8 +139,7 @@ def _check_constraints(value: Any, meta: typing.Mapping[str, Any], path: str) ->
         return
     choices = meta.get("choices")
     if choices is not None and value not in choices:
-        close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        hint = did_you_mean(value, [str(c) for c in choices])
         raise ConfigError(path, f"{value!r} is not allowed{hint}; allowed values: "
                                 f"{', '.join(map(str, choices))}")
     low, high = meta.get("low"), meta.get("high")
@@ -165,10 +165,15 @@ def field_names(cls: type) -> list[str]:
     return [f.name for f in dataclasses.fields(cls)]
 
 
+def did_you_mean(name: object, choices: typing.Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``choices`` to a mistyped ``name``; empty when none is close."""
+    close = difflib.get_close_matches(str(name), list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def unknown_key_error(key: str, allowed: typing.Iterable[str], path: str) -> ConfigError:
     allowed = sorted(allowed)
-    close = difflib.get_close_matches(key, allowed, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    hint = did_you_mean(key, allowed)
     return ConfigError(_join(path, key), f"unknown field{hint}; allowed fields: {', '.join(allowed)}")
 
 

@@ -3,7 +3,9 @@
 Settings come from ``mlflow.yaml`` (``$PFL_MLFLOW_CONFIG``, else ``./mlflow.yaml``, else the one
 next to the package). The default store is an SQLite file in the working directory (MLflow 3
 refuses the plain file store by default); ``MLFLOW_TRACKING_URI`` overrides it. Relative paths are
-turned into absolute URIs here, in the driver, because Ray workers run in other directories.
+turned into absolute URIs here, in the driver, because Ray workers run in other directories. What
+depends on the kind of store (a server, SQLite, a database: where artifacts go, the quick
+reachability check, the hint a pipeline prints) is in :mod:`pfl.tracking_store`.
 
 A :class:`Tracker` wraps one MLflow run through ``MlflowClient`` with an explicit run id, so that
 nested runs (a pipeline's parent, its trials as children) and resumed runs (a restored Ray
@@ -22,11 +24,15 @@ from typing import Any, Mapping
 
 import yaml
 
+from .tracking_store import (GuardedClient, local_location, location_warning, preflight, store_kind, store_lost,
+                             view_hint)
+from .tracking_store import worker_environment as _worker_environment
+
 log = logging.getLogger(__name__)
 
 DEFAULTS: dict[str, Any] = {
     "tracking_uri": "sqlite:///mlflow.db",
-    "artifact_root": "mlartifacts",
+    "artifact_root": None,  # None: the store's own rule (see artifact_root)
     "experiment": "pfl",
     "sweep_experiment": "pfl-sweeps",
     "log": {"per_round_metrics": True, "client_table": True, "plots": True, "model": True},
@@ -80,12 +86,23 @@ def tracking_uri(settings: Mapping[str, Any] | None = None) -> str:
     return _absolute_sqlite(uri)
 
 
-def artifact_root(settings: Mapping[str, Any] | None = None) -> str:
+def artifact_root(settings: Mapping[str, Any] | None = None) -> str | None:
+    """Where new experiments keep their artifacts, or None: the tracking server decides.
+
+    An explicit root (``$PFL_ARTIFACT_ROOT``, else mlflow.yaml's ``artifact_root``) is used for every
+    kind of store. Otherwise a server stores them itself (proxied artifacts: no node writes to its
+    own disk) and a database store gets ``mlartifacts`` beside an SQLite file given by the
+    environment, else in the working directory."""
     settings = settings or load_settings()
-    root = os.environ.get("PFL_ARTIFACT_ROOT") or str(settings["artifact_root"])
-    if "://" in root:
-        return root
+    root = os.environ.get("PFL_ARTIFACT_ROOT") or settings.get("artifact_root")
     uri = tracking_uri(settings)
+    if not root:
+        if store_kind(uri) == "server":
+            return None
+        root = "mlartifacts"
+    root = str(root)
+    if "://" in root or root.startswith("mlflow-artifacts:"):
+        return root
     # keep artifacts beside the database when the store is an sqlite file given by the environment
     if os.environ.get("MLFLOW_TRACKING_URI") and uri.startswith("sqlite:///"):
         base = Path(uri[len("sqlite:///"):]).parent
@@ -97,7 +114,10 @@ def artifact_root(settings: Mapping[str, Any] | None = None) -> str:
 def export_environment() -> dict[str, str]:
     """Environment a worker process needs to reach the same store (absolute paths)."""
     settings = load_settings()
-    env = {"MLFLOW_TRACKING_URI": tracking_uri(settings), "PFL_ARTIFACT_ROOT": artifact_root(settings)}
+    env = {"MLFLOW_TRACKING_URI": tracking_uri(settings)}
+    root = artifact_root(settings)
+    if root is not None:
+        env["PFL_ARTIFACT_ROOT"] = root
     path = settings_path()
     if path is not None:
         env["PFL_MLFLOW_CONFIG"] = str(path.resolve())
@@ -107,16 +127,32 @@ def export_environment() -> dict[str, str]:
 _READY_STORES: set[str] = set()
 
 
+def worker_environment() -> dict[str, str]:
+    """What Ray puts in every worker's environment: :func:`export_environment` and the driver's
+    MLflow client settings (credentials, HTTP retries), which nodes started elsewhere lack."""
+    return _worker_environment(export_environment())
+
+
 def client():
+    """An MlflowClient of the configured store whose calls raise TrackingStoreError (a ConfigError
+    naming MLFLOW_TRACKING_URI) when the store is unreachable. A server or database is checked once
+    per process with one quick request, so a trial started while it is down fails at once."""
     from mlflow.tracking import MlflowClient
 
     # creating a new SQLite store logs schema migrations at INFO: nothing a person acts on
     for name in ("mlflow.store.db.utils", "alembic.runtime.migration"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    # MLflow prints two GenAI-view links per run a process ends on a server; pfl prints its own
+    # line per pipeline (the model-training view)
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     uri = tracking_uri()
-    if uri.startswith("sqlite:///") and uri not in _READY_STORES:
-        _initialise_sqlite(uri)
-    return MlflowClient(tracking_uri=uri)
+    if uri not in _READY_STORES:
+        if uri.startswith("sqlite:///"):
+            _initialise_sqlite(uri)
+        else:
+            preflight(uri)
+            _READY_STORES.add(uri)
+    return GuardedClient(MlflowClient(tracking_uri=uri), uri)
 
 
 def _initialise_sqlite(uri: str, attempts: int = 5) -> None:
@@ -143,9 +179,17 @@ def _initialise_sqlite(uri: str, attempts: int = 5) -> None:
     _READY_STORES.add(uri)
 
 
-def run_hint(run_id: str) -> str:
-    """The line a pipeline prints at its end: where its MLflow parent run is and how to look."""
-    return f"MLflow parent run {run_id}; view: mlflow ui --backend-store-uri {tracking_uri()}"
+def run_hint(run_id: str, what: str = "MLflow parent run") -> str:
+    """The line a pipeline prints at its end: where its MLflow run is and how to look (the server's
+    page of the run, or the `mlflow ui` command and the page it serves)."""
+    uri = tracking_uri()
+    experiment = None
+    if not store_lost(uri):
+        try:
+            experiment = client().get_run(run_id).info.experiment_id
+        except Exception:  # the hint still names the run; MLflow's run route finds its experiment
+            pass
+    return view_hint(run_id, experiment, uri, what)
 
 
 DESCRIPTIONS = {
@@ -167,8 +211,10 @@ def experiment_id(name: str | None = None, sweep: bool = False) -> str:
     mc = client()
     exp = mc.get_experiment_by_name(name)
     if exp is not None:
+        _warn_location(exp)
         return exp.experiment_id
-    location = artifact_root(settings).rstrip("/") + "/" + name
+    root = artifact_root(settings)
+    location = None if root is None else root.rstrip("/") + "/" + name  # None: the server's store
     description = DESCRIPTIONS[kind] if name == settings[kind] else f"pfl runs ({DESCRIPTIONS[kind]})"
     try:
         return mc.create_experiment(name, artifact_location=location,
@@ -178,6 +224,20 @@ def experiment_id(name: str | None = None, sweep: bool = False) -> str:
         if exp is None:
             raise
         return exp.experiment_id
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_location(exp) -> None:
+    """Once per process and experiment: a server's experiment whose artifacts bypass the server."""
+    uri = tracking_uri()
+    if artifact_root() is not None or exp.experiment_id in _WARNED:
+        return  # an explicit artifact root is the user's choice
+    text = location_warning(exp.name, exp.experiment_id, exp.artifact_location, uri)
+    if text:
+        _WARNED.add(exp.experiment_id)
+        log.warning(text)
 
 
 def check_store(timeout: float = 5.0) -> str:
@@ -194,15 +254,15 @@ def check_store(timeout: float = 5.0) -> str:
             raise ConfigError("MLFLOW_TRACKING_URI", f"{where}: the folder {db.parent} does not exist")
         if not os.access(db.parent, os.W_OK) or (db.exists() and not os.access(db, os.W_OK)):
             raise ConfigError("MLFLOW_TRACKING_URI", f"{where}: {db if db.exists() else db.parent} is not writable")
-    elif uri.startswith(("http://", "https://")):
-        import urllib.request
-
-        try:
-            urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout).close()
-        except Exception as err:
-            raise ConfigError("MLFLOW_TRACKING_URI", f"{where}: no MLflow server answers ({err})") from None
+    else:  # a server or a database: one quick request (no Ray started, no minute of retries)
+        preflight(uri, timeout)
+        _READY_STORES.add(uri)
     root = artifact_root()
-    if root.startswith("file://"):
+    if store_kind(uri) == "server" and local_location(root):
+        log.warning(f"the artifact root {root} ($PFL_ARTIFACT_ROOT or mlflow.yaml artifact_root) puts new "
+                    "experiments' artifacts on the disk of each machine that writes them, not on the MLflow server; "
+                    "unset it to let the server store them")
+    if root is not None and root.startswith("file://"):
         from urllib.parse import unquote, urlparse
 
         folder = Path(unquote(urlparse(root).path))

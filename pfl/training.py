@@ -142,7 +142,7 @@ def local_sgd(
 
 # ---- declarative hooks ---------------------------------------------------------------------------
 # A hook written as one of these terms (rather than a closure) is a function of tensors it holds:
-# the cohort trainer (pfl.federation.cohort) stacks the tensors of many clients' terms and applies
+# the batched cohort (pfl.federation.batched) stacks the tensors of many clients' terms and applies
 # the same formula to all of them at once. Each is an ordinary callable for the one-client loop.
 
 class Term:
@@ -169,6 +169,17 @@ class PullTo(Term):
         if self.anchor is None:
             return {k: g + w * params[k] for k, g in grads.items()}
         return {k: (g + w * (params[k] - self.anchor[k]) if k in self.anchor else g) for k, g in grads.items()}
+
+
+@dataclass
+class ProxPull(Term):
+    """Gradient of ‖w − anchor‖²/(2·step) on the names of ``anchor``: (w − anchor)/step (the local
+    proximal problems of FedSplit and FedPD, written as their papers divide by the step)."""
+    anchor: Params
+    step: float
+
+    def __call__(self, grads: Params, params: Params) -> Params:
+        return {k: (g + (params[k] - self.anchor[k]) / self.step if k in self.anchor else g) for k, g in grads.items()}
 
 
 @dataclass
@@ -244,6 +255,27 @@ class AddToParams(Term):
 def proximal_pull(anchor: Mapping[str, torch.Tensor], weight: float) -> PullTo:
     """A ``grad_hook`` adding the gradient of (weight/2)‖w − anchor‖²: weight·(w − anchor)."""
     return PullTo(anchor, weight)
+
+
+@dataclass
+class TrainCall:
+    """A request to train: :func:`local_sgd`'s arguments (``kwargs`` its keywords)."""
+    model: torch.nn.Module
+    params: Params
+    x: torch.Tensor
+    y: torch.Tensor
+    kwargs: dict
+
+
+@dataclass
+class EvalCall:
+    """A request to evaluate: :func:`evaluate`'s arguments."""
+    model: torch.nn.Module
+    params: Params
+    x: torch.Tensor
+    y: torch.Tensor
+    task: str
+    forward: Callable[[Params, torch.Tensor], torch.Tensor] | None = None
 
 
 @dataclass

@@ -51,7 +51,7 @@ def sync(device) -> None:
 
 
 def build(workload: str, cohort: str, device: str, threads: int, extra: dict | None = None):
-    from pfl.config import load
+    from pfl.resolver import load
     from pfl.federation.simulator import Simulator
     from pfl.tune.space import load_scenario
 
@@ -89,7 +89,8 @@ def time_eval(sim, repeats: int = 2) -> float:
 
 def time_limit(sim, rounds: int) -> float:
     """The sampled clients' local SGD of the next rounds as one batched loop, nothing else."""
-    from pfl.federation.cohort import TrainCall, train_cohort
+    from pfl.federation.batched import train_cohort
+    from pfl.training import TrainCall
 
     times = []
     for rnd in range(sim.round, sim.round + rounds):

@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from pfl.config import apply_overrides, load  # noqa: E402
+from pfl.config import apply_overrides  # noqa: E402
+from pfl.resolver import load  # noqa: E402
 from pfl.schema import ConfigError  # noqa: E402
 from pfl.tracking import Tracker  # noqa: E402
 from pfl.tune.space import load_scenario  # noqa: E402
@@ -39,15 +40,19 @@ def simulate(cfg) -> list[dict]:
     sim = Simulator(cfg)
     method = sim.method
     client_times: list[float] = []
-    client_step = sim.client_step
+    training_side = sim.training_side
 
-    def timed_step(rnd, cid, msg):
-        start = time.perf_counter()
-        out = client_step(rnd, cid, msg)
-        client_times.append(time.perf_counter() - start)
-        return out
+    def timed_side(rnd):  # each client's local update, timed
+        work = training_side(rnd)
 
-    sim.client_step = timed_step
+        def timed(client, msg):
+            start = time.perf_counter()
+            out = work(client, msg)
+            client_times.append(time.perf_counter() - start)
+            return out
+        return timed
+
+    sim.training_side = timed_side
     rows = []
 
     class RoundCosts(Callback):

@@ -17,6 +17,7 @@ import argparse
 import statistics
 import sys
 import time
+from pfl.callbacks.divergence import run_rounds
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import pfl.methods.base as base
-    from pfl.config import load
+    from pfl.resolver import load
     from pfl.federation.loop import Callback, RoundLoop
     from pfl.federation.simulator import Simulator
     from pfl.methods.fpfc import pair_update, zeta
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             self.on_start(loop)
 
     try:
-        sim.run(until=2)  # warm-up
+        run_rounds(sim, until=2)  # warm-up
         RoundLoop(sim, [RoundTimer()]).run(until=sim.round + args.rounds)
     finally:
         base.local_sgd = original_sgd

@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
     import pandas as pd
 
-    from pfl.config import apply_overrides, resolve
+    from pfl.config import apply_overrides
+    from pfl.resolver import resolve
     from pfl.runner import run_experiment
     from pfl.tracking import Tracker
     from pfl.tune.space import base_config, load_space

@@ -73,7 +73,8 @@ def build_configs(methods: list[str], scenario: str, quick: bool, overrides: lis
                   method_sets: dict[str, dict[str, object]], track: bool, seed: int | None = None) -> dict:
     """One validated config per method (all errors before any training); ``seed`` replaces the
     scenario's."""
-    from pfl.config import apply_overrides, resolve
+    from pfl.config import apply_overrides
+    from pfl.resolver import resolve
     from pfl.tune.space import load_scenario
 
     raw = apply_overrides({}, load_scenario(scenario))

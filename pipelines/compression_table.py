@@ -105,7 +105,8 @@ def select(all_entries, only: list[str] | None):
 
 def build_configs(chosen, quick: bool, overrides: list[str], track: bool, seed: int | None = None) -> dict:
     """One validated config per entry (every error before any training); ``seed`` replaces the scenario's."""
-    from pfl.config import apply_overrides, resolve
+    from pfl.config import apply_overrides
+    from pfl.resolver import resolve
     from pfl.tune.space import load_scenario
 
     configs = {}

@@ -31,7 +31,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pfl.config import apply_overrides, resolve  # noqa: E402
+from pfl.config import apply_overrides  # noqa: E402
+from pfl.resolver import resolve  # noqa: E402
 from pfl.schema import ConfigError  # noqa: E402
 from pfl.seeds import add_seeds_argument  # noqa: E402
 from pfl.tracking import run_hint  # noqa: E402

@@ -17,7 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pfl.config import apply_overrides, load  # noqa: E402
+from pfl.config import apply_overrides  # noqa: E402
+from pfl.resolver import load  # noqa: E402
 from pfl.runner import TableRun  # noqa: E402
 from pfl.schema import ConfigError  # noqa: E402
 from pfl.tracking import run_hint  # noqa: E402

@@ -104,7 +104,8 @@ def run(scenarios: list[str], methods: list[str], preset_name: str = "quick", ro
         join_rounds: int | None = None, fraction: float = 0.2, overrides: list[str] | None = None,
         track: bool = True, experiment: str | None = None, out: str | Path | None = None, progress=print,
         seeds=(0, 1, 2)) -> dict:
-    from pfl.config import apply_overrides, resolve
+    from pfl.config import apply_overrides
+    from pfl.resolver import resolve
     from pfl.data import load_federated
     from pfl.runner import TableRun
     from pfl.seeds import aggregate, check_seeds, test_samples

@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pfl.config import load  # noqa: E402
+from pfl.resolver import load, with_overrides  # noqa: E402
 from pfl.runner import TableRun, format_bytes  # noqa: E402
 from pfl.schema import ConfigError  # noqa: E402
 from pfl.seeds import Row, add_seeds_argument, aggregate, check_seeds, markdown, run_rows  # noqa: E402
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         for s in seeds:
             for group, label, method in plan:
                 cfg = load(None, scenario_base(args, group, s) | method)
-                configs[(group, label, s)] = cfg.replace(args.set) if args.set else cfg
+                configs[(group, label, s)] = with_overrides(cfg, args.set) if args.set else cfg
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2

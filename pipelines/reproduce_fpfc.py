@@ -153,7 +153,7 @@ def curve_points(history: list[dict], key: str = "test/acc_mean") -> list[tuple[
 
 def l1_between(sim) -> dict:
     """FPFC-L1: the read-out at a ν between the within- and between-cluster ‖θ‖ (docs/methods/fpfc.md §11)."""
-    from pfl.evaluation import cluster_metrics
+    from pfl.clusters import cluster_metrics
 
     method = sim.method
     gap = method.theta_gap()
@@ -202,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from pfl.config import apply_overrides, load, resolve
+    from pfl.config import apply_overrides
+    from pfl.resolver import load, resolve
     from pfl.data import load_federated
     from pfl.runner import TableRun
 

@@ -179,7 +179,8 @@ def common_config(scenario: str, preset_name: str, rounds: int | None, overrides
                   experiment: str | None, extra: dict | None = None, seed: int | None = None) -> tuple[dict, dict]:
     """(the scenario's resolved raw config for every entry, the preset) — validated; ``seed``
     replaces the scenario's."""
-    from pfl.config import apply_overrides, load
+    from pfl.config import apply_overrides
+    from pfl.resolver import load
 
     preset = dict(SCENARIOS[scenario]["presets"][preset_name])
     if rounds is not None:
@@ -308,7 +309,8 @@ def run(scenarios: list[str], methods: list[str], attacks: list[str], fractions:
         progress=print, scope: str | None = None, seeds=(0, 1, 2)) -> dict:
     import tempfile
 
-    from pfl.config import apply_overrides, resolve
+    from pfl.config import apply_overrides
+    from pfl.resolver import resolve
     from pfl.data import load_federated
     from pfl.runner import TableRun
     from pfl.seeds import check_seeds

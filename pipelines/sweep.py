@@ -8,9 +8,10 @@ full table is the parent run's artifact) and the best config. The table (CSV, HT
 plot of every trial's curve and the best config are logged on the sweep's MLflow parent run; every
 trial is a nested child run named by what it tries.
 
-Exit status: 0 when every trial ran (failures are listed), 1 when every trial failed, 2 for an
-invalid space or config (nothing started), 130 / 143 when interrupted by SIGINT / SIGTERM (the
-command to resume is printed).
+Exit status: 0 when every trial ran (failures are listed), 1 when every trial failed or the MLflow
+tracking store stopped answering (the command to resume is printed), 2 for an invalid space or
+config, an unreachable tracking store or Ray address (nothing started), 130 / 143 when interrupted
+by SIGINT / SIGTERM (the command to resume is printed).
 """
 
 from __future__ import annotations
@@ -52,8 +53,10 @@ def print_outcome(result, space, argv: list[str] | None) -> int:
         print(f"failed: {trial}: {reason}")
     if result.status == "INTERRUPTED":
         done = int((result.table["status"] == "OK").sum()) if len(result.table) else 0
-        print(f"\ninterrupted after {result.wall_s:.0f} s: {done} of {result.expected_trials} trials finished; "
-              "no best is reported for an incomplete sweep.\nresume with: " + resume_command(argv))
+        why = f"stopped: {result.reason}; " if result.reason else "interrupted "
+        print(f"\n{why}after {result.wall_s:.0f} s: {done} of {result.expected_trials} trials finished; "
+              "no best is reported for an incomplete sweep.\nresume with: " + resume_command(argv)
+              + (" (once the store answers again)" if result.reason else ""))
     elif result.status == "FAILED":
         print(f"\nevery trial failed ({len(result.failures)}); see the reasons above")
     else:

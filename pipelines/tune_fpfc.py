@@ -1,17 +1,20 @@
-"""FPFC's λ tuning: warm-started λ path vs separate runs, on Ray Tune, logged to MLflow.
+"""FPFC's λ tuning: warm-started λ path vs separate runs, to convergence, on Ray Tune, logged to MLflow.
 
     python pipelines/tune_fpfc.py                       # embedded default: local Ray, ./mlflow.db, S1
-    python pipelines/tune_fpfc.py --smoke               # ~2 minutes
-    python pipelines/tune_fpfc.py --preset paper        # the paper's scale
+    python pipelines/tune_fpfc.py --seeds 3             # both strategies on 3 seeds: ± over seeds
+    python pipelines/tune_fpfc.py --smoke               # ~3 minutes
+    python pipelines/tune_fpfc.py --preset paper        # the paper's scale and N(0,1) start
     python pipelines/tune_fpfc.py --strategy separate   # only the separate strategy
     python pipelines/tune_fpfc.py --direction descending # the other path order (docs/methods/fpfc.md §4)
 
-Trials run in parallel over the other hyperparameters of search_spaces/fpfc.yaml (Optuna); each
-warmup trial walks the λ path (pfl/tune/lambda_path.py). The separate strategy trains every λ of
-the grid from scratch with the best warmup trial's other hyperparameters. The pipeline run (MLflow
-parent) holds both strategies' sweeps as children (trials below them), the comparison table
-(Parquet + CSV: selected λ, test accuracy, #clusters, ARI, total rounds, wall time) and the best
-warmup trial's λ-path plot and per-λ metrics.
+The warm-up sweep searches the other hyperparameters of search_spaces/fpfc.yaml (Optuna); each
+trial walks the λ path (pfl/tune/lambda_path.py). With ``--seeds N`` the chosen setting's path is
+run on N − 1 more seeds. The separate strategy trains every λ the warm-up visited from scratch,
+with the chosen setting, on every seed. Every stage and every run ends on the same convergence
+rule. The comparison (pfl/tune/path_compare.py) counts both sides per setting and seed; the
+pipeline run (MLflow parent) holds the sweeps as children (trials below them), the tables
+(strategies.md / .csv / .parquet, per_lambda.csv) and the best warm-up trial's λ-path plot and
+per-λ metrics.
 """
 
 from __future__ import annotations
@@ -53,10 +56,13 @@ def apply_preset(space, name: str | None):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--space", default=str(Path(__file__).resolve().parents[1] / "search_spaces" / "fpfc.yaml"))
-    parser.add_argument("--smoke", action="store_true", help="the 'smoke' preset (about 2 minutes)")
+    parser.add_argument("--smoke", action="store_true", help="the 'smoke' preset (about 3 minutes)")
     parser.add_argument("--preset", help="a preset of the space file, e.g. paper")
     parser.add_argument("--strategy", default="both", choices=("warmup", "separate", "both"))
     parser.add_argument("--direction", choices=("ascending", "descending"), help="override the path order")
+    parser.add_argument("--seeds", type=int, default=1, metavar="N",
+                        help="seeds per strategy at the chosen (ρ, lr): the table's ± is over them (default 1: "
+                             "the warm-up search trials' spread)")
     parser.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                         help="dotted config overrides for every trial")
     parser.add_argument("--resume", action="store_true", help="continue an interrupted run of the same name")
@@ -66,21 +72,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resources", help="per-trial resources, e.g. cpu=1,gpu=0.25")
     args = parser.parse_args(argv)
     try:
+        if args.seeds < 1:
+            raise ConfigError("--seeds", f"at least 1, got {args.seeds}")
         return run(args, argv)
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
 
 
-def run(args, argv: list[str] | None = None) -> int:
-    import pandas as pd
+def with_search(space, fixed: dict, search: dict):
+    """A copy of ``space`` with ``fixed`` added and a grid ``search`` (key -> values) instead of its own."""
+    out = copy.deepcopy(space)
+    out.fixed = {**out.fixed, **fixed}
+    out.search = {k: {"type": "grid", "values": list(v)} for k, v in search.items()}
+    out.validate("")
+    out.searcher, out.num_samples = "grid", 1
+    return out
 
-    from pfl.tracking import tracking_uri
-    from pfl.tune.fpfc_trainable import fpfc_path_trainable, plot_path, stage_metrics
-    from pfl.config import resolve
+
+def run(args, argv: list[str] | None = None) -> int:
+    from pfl.resolver import resolve
+    from pfl.tracking import check_store
     from pfl.tune.lambda_path import PATH_METRICS, PathSettings, require_validation
     from pfl.tune.space import base_config, check_space, load_space
-    from pfl.tune.sweep import parse_resources, run_sweep
+    from pfl.tune.sweep import parse_resources
 
     preset = "smoke" if args.smoke else args.preset
     space = apply_preset(load_space(args.space), preset)
@@ -90,79 +105,185 @@ def run(args, argv: list[str] | None = None) -> int:
     settings = from_dict(PathSettings, pipeline, "pipeline")
     raw = base_config(space, args.set)
     check_space(space, raw, PATH_METRICS)  # everything validated before Ray starts
-    require_validation(resolve(raw))
+    cfg = resolve(raw)
+    require_validation(cfg)
+    if space.metric not in ("val/acc_mean", "val/rmse_mean"):
+        raise ConfigError("metric", f"λ tuning selects by val/acc_mean (or val/rmse_mean), got {space.metric!r}")
     name = args.name or "tune_fpfc" + (f"-{preset}" if preset else "")
-    resources = parse_resources(args.resources)
-
+    args.argv = argv
+    seeds = [cfg.seed + i for i in range(args.seeds)]
+    ctx = Context(args, space, settings, seeds, name, parse_resources(args.resources))
+    if cfg.tracking.enabled:
+        check_store()  # an unreachable store fails here, before the pipeline's run or Ray
     started = time.perf_counter()
-    top = pipeline_run(name, args, preset, settings)
+    ctx.top = pipeline_run(name, args, preset, settings)
+    code = ctx.warmup() if args.strategy in ("warmup", "both") else 0
+    if code == 0 and args.strategy in ("separate", "both"):
+        code = ctx.separate()
+    if code:
+        return code
+    return finish(ctx, time.perf_counter() - started)
+
+
+class Context:
+    """The pipeline's sweeps and what they measured, as the records of pfl/tune/path_compare.py."""
+
+    def __init__(self, args, space, settings, seeds, name, resources):
+        from pfl.tune.lambda_path import PATH_METRICS
+
+        self.args, self.space, self.settings, self.seeds, self.name = args, space, settings, seeds, name
+        self.metric = space.metric
+        self.sign = 1.0 if space.mode == "max" else -1.0
+        self.top = None
+        self.best_config: dict = {}
+        self.paths: list[dict] = []       # warm-up paths at the chosen (ρ, lr), one per seed
+        self.search: list[dict] = []      # every trial of the (ρ, lr) search
+        self.runs: list[dict] = []        # separate runs, one per λ and seed
+        self.best_trial = None
+        self.walls: dict[str, float] = {}
+        self.common = dict(overrides=args.set, resume=args.resume, address=args.address, resources=resources,
+                           storage=args.storage, pipeline_run_id=None, extra_metrics=PATH_METRICS)
+
+    def sweep(self, space, suffix: str, strategy: str, label: str):
+        from pfl.schema import to_dict
+        from pfl.tune.fpfc_trainable import fpfc_path_trainable
+        from pfl.tune.sweep import run_sweep
+
+        result = run_sweep(space, name=f"{self.name}-{suffix}", trainable=fpfc_path_trainable,
+                           setup_extra={"path": to_dict(self.settings), "strategy": strategy},
+                           parent_tags={"pfl.strategy": strategy}, label_prefix=label,
+                           **{**self.common, "pipeline_run_id": self.top.run_id})
+        self.walls[suffix] = result.wall_s
+        if result.status != "FINISHED":
+            return result, stopped(suffix, result, space, self.top, self.args.argv)
+        return result, 0
+
+    def ok_rows(self, table):
+        return [row for _, row in table.iterrows() if row["status"] == "OK"]
+
+    def warmup(self) -> int:
+        s = self.settings
+        print(f"\n== warmup strategy: λ path {s.ordered()} ({s.direction}), searched over "
+              f"{', '.join(self.space.search) or 'nothing'} ==")
+        result, code = self.sweep(self.space, "warmup", "warmup", "warmup path")
+        if code:
+            return code
+        self.best_config = dict(result.best_config)
+        self.search = [self.path_record(row, stages=False) for row in self.ok_rows(result.table)]
+        self.best_trial = best_row(result.table, self.metric, self.sign)
+        self.paths.append(self.path_record(self.best_trial, stages=True))
+        if len(self.seeds) > 1:
+            print(f"\n== warmup strategy: the chosen setting on seeds {self.seeds[1:]} ==")
+            space = with_search(self.space, self.best_config, {"seed": self.seeds[1:]})
+            result, code = self.sweep(space, "warmup-seeds", "warmup", "warmup path")
+            if code:
+                return code
+            self.paths += [self.path_record(row, stages=True) for row in self.ok_rows(result.table)]
+        return 0
+
+    def separate(self) -> int:
+        # every λ the warm-up visited (the grid, and any λ it extended the grid by)
+        # larger λ first: on S1 their fused models take longest to converge, and started last they would
+        # run alone at the end while the other CPU idles (the order changes no result)
+        grid = sorted(set(self.settings.lambdas) | {st["lambda"] for p in self.paths for st in p["stages"]},
+                      reverse=True)
+        search = {"method.lam": grid, **({"seed": self.seeds} if len(self.seeds) > 1 else {})}
+        print(f"\n== separate strategy: every λ of {grid} from scratch until convergence "
+              f"(at most {self.settings.budget} rounds), seeds {self.seeds} ==")
+        space = with_search(self.space, self.best_config, search)
+        result, code = self.sweep(space, "separate", "separate", "separate")
+        if code:
+            return code
+        self.runs = [self.run_record(row) for row in self.ok_rows(result.table)]
+        failed = len(result.table) - len(self.runs)
+        if failed:
+            print(f"separate: {failed} run(s) failed and are not counted (see the sweep's table)")
+        return 0
+
+    # ---- records -------------------------------------------------------------------------------
+    def _common(self, row) -> dict:
+        test = self.metric.replace("val/", "test/")
+        return {"seed": int(row["seed"]) if "seed" in row and row["seed"] == row["seed"] else self.seeds[0],
+                "val": float(row[self.metric]), "test": float(row.get(test, float("nan"))),
+                "clusters": float(row.get("cluster/num", float("nan"))),
+                "ari": float(row.get("cluster/ari", float("nan"))),
+                "rounds": float(row["fpfc/total_rounds"]), "compute_s": float(row["fpfc/cpu_s"]),
+                "converged": float(row["fpfc/converged"])}
+
+    def path_record(self, row, stages: bool) -> dict:
+        record = {**self._common(row), "selected_lambda": float(row["fpfc/selected_lambda"]),
+                  "playoff_rounds": float(row.get("fpfc/playoff_total_rounds", 0)),
+                  "final_rounds": float(row.get("fpfc/final_rounds", 0)),
+                  "decline_reached": float(row.get("fpfc/decline_reached", float("nan"))), "stages": [],
+                  "run_id": row["mlflow_run_id"]}
+        if stages:
+            record["stages"] = [{"lambda": st["lambda"], "rounds": st.get("rounds", float("nan")),
+                                 "converged": st.get("converged", 0.0), "val": st.get(self.metric, float("nan")),
+                                 "clusters": st.get("cluster/num", float("nan")),
+                                 "compute_s": st.get("cpu_s", float("nan"))}
+                                for st in stage_history(row["mlflow_run_id"])]
+        return record
+
+    def run_record(self, row) -> dict:
+        return {**self._common(row), "lambda": float(row["method.lam"])}
+
+
+def finish(ctx, wall: float) -> int:
+    """The comparison tables (printed, and on the pipeline run with the best path's plot)."""
+    import textwrap
+
+    import pandas as pd
+
+    from pfl.tracking import run_hint
+    from pfl.tune.path_compare import markdown, per_lambda, separate_per_seed, strategy_row, verdict
+    from pfl.tune.path_report import plot_path, stage_metrics
+
     rows = []
-    warm = None
-    common = dict(overrides=args.set, resume=args.resume, address=args.address, resources=resources,
-                  storage=args.storage, trainable=fpfc_path_trainable, pipeline_run_id=top.run_id,
-                  extra_metrics=PATH_METRICS)
-    if args.strategy in ("warmup", "both"):
-        print(f"\n== warmup strategy: λ path {settings.ordered()} ({settings.direction}) ==")
-        warm = run_sweep(space, name=f"{name}-warmup", setup_extra={"path": to_dict(settings), "strategy": "warmup"},
-                         parent_tags={"pfl.strategy": "warmup"}, label_prefix="warmup path", **common)
-        if warm.status != "FINISHED":
-            return stopped("warmup", warm, space, top, argv)
-        # rounds one hyperparameter setting costs: one path (mean over the Optuna trials)
-        rows.append(strategy_row("warmup", warm, total_of=lambda t: t["fpfc/total_rounds"].mean()))
-    if args.strategy in ("separate", "both"):
-        separate_space = copy.deepcopy(space)
-        fixed = dict(separate_space.fixed)
-        if warm is not None and warm.best_config:
-            fixed.update(warm.best_config)  # the best other hyperparameters of the warmup sweep
-        separate_space.fixed = fixed
-        separate_space.search = {"method.lam": {"type": "grid", "values": list(settings.lambdas)}}
-        separate_space.validate("")
-        separate_space.searcher, separate_space.num_samples = "grid", 1
-        print(f"\n== separate strategy: every λ of {sorted(settings.lambdas)} from scratch, "
-              f"{settings.budget} rounds each ==")
-        sep = run_sweep(separate_space, name=f"{name}-separate",
-                        setup_extra={"path": to_dict(settings), "strategy": "separate"},
-                        parent_tags={"pfl.strategy": "separate"}, label_prefix="separate", **common)
-        if sep.status != "FINISHED":
-            return stopped("separate", sep, separate_space, top, argv)
-        # rounds one hyperparameter setting costs: every λ of the grid from scratch
-        rows.append(strategy_row("separate", sep, total_of=lambda t: t["fpfc/total_rounds"].sum()))
-    table = pd.DataFrame(rows)
-    wall = time.perf_counter() - started
-    text = report(rows, settings)
+    if ctx.paths:
+        rows.append(strategy_row("warmup", ctx.paths, noise_from=ctx.search))
+    if ctx.runs:
+        rows.append(strategy_row("separate", separate_per_seed(ctx.runs, ctx.sign)))
+    lambdas = per_lambda(ctx.paths, ctx.runs)
+    title = "== λ tuning: warm-started path vs separate runs, to convergence (cf. the paper's Fig. 6, Table 2) =="
+    notes = explanation(ctx, rows)
+    if len(rows) == 2:
+        notes.append(verdict(*rows))
+    text = "\n".join([title, markdown(rows, lambdas), ""] + [textwrap.fill(n, 100, subsequent_indent="  ")
+                                                              for n in notes])
+    top = ctx.top
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
+        table = pd.DataFrame([{**r, "selected_lambda": " ".join(f"{v:g}" for v in r["selected_lambda"])}
+                              for r in rows])
         table.to_parquet(out / "strategies.parquet")
         table.to_csv(out / "strategies.csv", index=False)
+        pd.DataFrame(lambdas).to_csv(out / "per_lambda.csv", index=False)
         (out / "strategies.md").write_text(text + "\n")
-        for fname in ("strategies.parquet", "strategies.csv", "strategies.md"):
+        for fname in ("strategies.parquet", "strategies.csv", "per_lambda.csv", "strategies.md"):
             top.log_artifact(out / fname)
-        if warm is not None and len(warm.table):
-            best_trial = best_row(warm.table)
-            stages = stage_history(best_trial["mlflow_run_id"])
+        if ctx.best_trial is not None:
+            run_id = ctx.best_trial["mlflow_run_id"]
+            stages = stage_history(run_id)
             step = 0
             for stage in stages:  # step = rounds of the path so far, as in the trial's run
                 step += int(stage.get("rounds", 0))
                 top.log_metrics(stage_metrics(stage), step=step)
-            playoff = stage_history(best_trial["mlflow_run_id"], "playoff/")
             if stages:
                 top.log_artifact(plot_path(stages, out / "lambda_path.png",
-                                           f"best warmup trial ({settings.direction}); each λ at the end of its stage",
-                                           playoff), "plots")
+                                           f"best warmup trial ({ctx.settings.direction}); each λ at the end of "
+                                           "its stage", stage_history(run_id, "playoff/")), "plots")
     for row in rows:
         top.log_metrics({f"{row['strategy']}/{k}": float(v) for k, v in row.items()
-                         if k not in ("strategy",) and isinstance(v, (int, float))})
-        top.set_tags({f"selected_lambda.{row['strategy']}": f"{row['selected_lambda']:g}"})
-    if len(rows) == 2 and rows[0]["total_rounds"]:
-        top.log_metrics({"speedup/rounds": rows[1]["total_rounds"] / rows[0]["total_rounds"],
-                         "speedup/wall": rows[1]["wall_s"] / max(rows[0]["wall_s"], 1e-9)})
+                         if isinstance(v, (int, float)) and v == v and k not in ("strategy",)})
+        top.set_tags({f"selected_lambda.{row['strategy']}": " ".join(f"{v:g}" for v in row["selected_lambda"])})
+    if len(rows) == 2 and rows[0]["rounds"] and rows[0]["compute_s"]:
+        top.log_metrics({"speedup/rounds": rows[1]["rounds"] / rows[0]["rounds"],
+                         "speedup/compute": rows[1]["compute_s"] / rows[0]["compute_s"]})
     top.log_metrics({"pipeline/wall_s": wall})
     top.set_tags({"pfl.status": "finished"})
     top.end("FINISHED")
-
     print("\n" + text)
-    print(f"\npipeline wall time {wall:.0f} s; MLflow pipeline run {top.run_id}; "
-          f"view: mlflow ui --backend-store-uri {tracking_uri()}")
+    print(f"\npipeline wall time {wall:.0f} s; " + run_hint(top.run_id, what="MLflow pipeline run"))
     return 0
 
 
@@ -183,48 +304,49 @@ def pipeline_run(name: str, args, preset: str | None, settings):
                                                      "trained from scratch (the paper's Table 2). The two "
                                                      "sweeps are child runs, their trials grandchildren."})
     top.log_params({"space": args.space, "preset": preset or "default", "strategy": args.strategy,
+                    "seeds": args.seeds,
                     **{f"path.{k}": v for k, v in to_dict(settings).items()}})
     state.parent.mkdir(parents=True, exist_ok=True)
     state.write_text(json.dumps({"run_id": top.run_id}))
     return top
 
 
-def report(rows: list[dict], settings) -> str:
-    """The comparison table with what each column means and how each strategy chose its λ."""
-    import pandas as pd
-
-    shown = pd.DataFrame([{
-        "strategy": r["strategy"], "selected λ": f"{r['selected_lambda']:g}", "val acc": f"{r['val_acc']:.4f}",
-        "test acc": f"{r['test_acc']:.4f}", "clusters": "-" if r["clusters"] != r["clusters"] else int(r["clusters"]),
-        "ARI": f"{r['ari']:.2f}", "rounds": r["total_rounds"], "trials": r["trials"], "wall s": f"{r['wall_s']:.0f}",
-    } for r in rows])
-    lines = ["== λ tuning: warm-started path vs separate runs (cf. the paper's Table 2) ==",
-             shown.to_string(index=False), ""]
-    playoff = (f", then a playoff: the {settings.finalists} best stages continued {settings.playoff_rounds} "
-               "rounds each" if settings.finalists > 1 else "")
+def explanation(ctx, rows: list[dict]) -> list[str]:
+    """How each strategy ran and how each figure was counted (printed under the tables and kept in
+    strategies.md)."""
+    s = ctx.settings
+    rule = (f"until convergence (the best validation score of its last {s.window} evaluations, one every "
+            f"{s.eval_every} rounds, at most {s.tolerance:g} above its best before them)")
+    lines = []
     for r in rows:
         if r["strategy"] == "warmup":
-            lines.append(f"warmup: one path through λ = {' → '.join(f'{v:g}' for v in settings.ordered())} "
-                         f"from a single start; each λ trained until its validation accuracy settled{playoff}; "
-                         f"λ = {r['selected_lambda']:g} had the best validation accuracy and was continued to "
-                         f"{settings.budget} rounds (counting the path rounds it inherited).")
+            extend = f", extended past its end while validation still rose (at most {s.extend} λ)" if s.extend else ""
+            playoff = (f"the {s.finalists} best stages continued from their own states to equal lineage rounds (the "
+                       f"latest one's + {s.playoff_rounds}) and compared there; the best of them " if s.finalists > 1
+                       else "the best stage ")
+            order = " → ".join(f"{v:g}" for v in s.ordered())
+            lines.append(f"warmup: per seed one path through λ = {order}{extend}, "
+                         f"each stage {rule} or {s.stage_cap} rounds; {playoff}continued until convergence; no "
+                         f"lineage past {s.budget} rounds.")
         else:
-            lines.append(f"separate: every λ of the grid trained from scratch for {settings.budget} rounds; "
-                         f"λ = {r['selected_lambda']:g} had the best final validation accuracy.")
-    lines += ["columns: val / test acc = mean over clients of each client's own model on its validation / test "
-              "split, for the selected λ's final model; clusters and ARI = that model's read-out "
-              "(components of ‖θ_ij‖ < ν) against the true clusters; rounds = rounds computed (warmup: per path, "
-              "mean over its trials; separate: summed over the λ grid); wall s = the strategy's sweep time.",
-              "the λ-path plot shows each λ at the end of its stage, before the chosen one was continued, so "
-              "its cluster counts can differ from the final ones above."]
-    if len(rows) == 2 and rows[0]["total_rounds"]:
-        w, sep = rows
-        lines.append(f"warmup vs separate: λ {w['selected_lambda']:g} vs {sep['selected_lambda']:g}, test acc "
-                     f"{100 * (w['test_acc'] - sep['test_acc']):+.2f} pt, {sep['total_rounds'] / w['total_rounds']:.1f}× "
-                     f"fewer rounds, {sep['wall_s'] / max(w['wall_s'], 1e-9):.1f}× less wall time.")
-    import textwrap
-
-    return "\n".join(lines[:3] + [textwrap.fill(ln, 100, subsequent_indent="  ") for ln in lines[3:]])
+            lines.append(f"separate: every λ the warm-up visited trained from scratch {rule}, at most {s.budget} "
+                         "rounds; the λ with the best final validation score selected.")
+    search = sum(r["rounds"] for r in ctx.search)
+    lines.append("columns: val / test acc = mean over clients of each client's own model on its validation / test "
+                 "split, for the selected model (evaluated once more at the end, with the final read-out); clusters "
+                 "and ARI = that model's read-out (components of ‖θ_ij‖ < ν) against the true clusters.")
+    lines.append(
+        "counting: rounds = every round one side computed for one (ρ, lr) setting and seed (warm-up: its path, "
+        "playoff and final continuation; separate: every λ's run); compute s = the CPU seconds of those trials "
+        "(rounds and evaluations; on shared CPUs a round's wall time moves with the load, so the sweeps' wall times "
+        + ", ".join(f"{k} {v:.0f} s" for k, v in ctx.walls.items()) + " are not like for like); the (ρ, lr) search "
+        f"({len(ctx.search)} warm-up trial(s), {search:.0f} rounds, the best of them the first seed's path) is charged "
+        "to neither side; ± = sample standard deviation over seeds, or with one seed the spread of the warm-up "
+        "search trials (other ρ, lr: more than seed noise). converged = models (warm-up: final models; separate: "
+        "every λ's run) that ended on the rule rather than at the budget.")
+    lines.append("per λ: rounds each λ trained until convergence, as a warm-started path stage and from scratch "
+                 "(the paper's Fig. 6 bars), mean over seeds.")
+    return lines
 
 
 def stopped(strategy: str, result, space, top, argv) -> int:
@@ -233,38 +355,24 @@ def stopped(strategy: str, result, space, top, argv) -> int:
 
     print(f"\n== {strategy} strategy did not finish ==")
     code = print_outcome(result, space, argv)
+    if result.reason:  # the tracking store is gone: --resume closes the pipeline's run
+        return code
     top.set_tags({"pfl.status": result.status.lower()})
     top.end("KILLED" if result.status == "INTERRUPTED" else "FAILED")
     return code
 
 
-def best_row(table):
+def best_row(table, metric: str = "val/acc_mean", sign: float = 1.0):
     ok = table[table["status"] == "OK"]
     if not len(ok):
         raise RuntimeError("every trial failed; see the MLflow runs' pfl.failure tags")
-    return ok.sort_values("val/acc_mean", ascending=False).iloc[0]
-
-
-def strategy_row(strategy: str, result, total_of) -> dict:
-    table = result.table
-    best = best_row(table)
-    return {
-        "strategy": strategy,
-        "selected_lambda": float(best["fpfc/selected_lambda"]),
-        "val_acc": float(best["val/acc_mean"]),
-        "test_acc": float(best.get("test/acc_mean", float("nan"))),
-        "clusters": float(best.get("cluster/num", float("nan"))),
-        "ari": float(best.get("cluster/ari", float("nan"))),
-        "trials": int(len(table)),
-        "total_rounds": int(round(float(total_of(table)))),
-        "wall_s": round(result.wall_s, 1),
-    }
+    return ok.sort_values(metric, ascending=sign < 0).iloc[0]
 
 
 def stage_history(run_id: str, prefix: str = "stage/") -> list[dict]:
     """The per-λ stage metrics a warmup trial logged (one step per stage end; ``playoff/``: per finalist)."""
     from pfl.tracking import client
-    from pfl.tune.fpfc_trainable import STAGE_METRICS
+    from pfl.tune.path_report import STAGE_METRICS
 
     mc = client()
     stages: dict[int, dict] = {}

@@ -10,10 +10,12 @@ from torch.func import functional_call
 
 import pfl.methods.ala as ala
 from helpers import small_config
-from pfl.config import load
+from pfl.callbacks.divergence import run_rounds
+from pfl.federation.checkpoint import load_checkpoint, save_checkpoint
 from pfl.federation.simulator import Simulator
 from pfl.methods import get_method, list_methods
 from pfl.models import build_model, layer_groups
+from pfl.resolver import load
 from pfl.schema import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -246,9 +248,9 @@ def test_simulator_start_phase_once_then_one_pass():
 
 def test_evaluation_time_ala_does_not_change_training():
     a = Simulator(ala_config(federation__eval_every=1))
-    a.run()
+    run_rounds(a)
     b = Simulator(ala_config(federation__eval_every=100))
-    b.run()
+    run_rounds(b)
     ga, gb = a.method.global_params(), b.method.global_params()
     assert all(torch.equal(ga[k], gb[k]) for k in ga)
     assert a.history[-1]["test/acc_mean"] == b.history[-1]["test/acc_mean"]
@@ -260,13 +262,13 @@ def test_evaluation_time_ala_does_not_change_training():
 def test_resume_continues_identically(tmp_path):
     cfg = ala_config()
     full = Simulator(cfg)
-    full.run()
+    run_rounds(full)
     part = Simulator(cfg)
-    part.run(until=2)
-    ckpt = part.save(tmp_path / "ckpt.pt")
+    run_rounds(part, until=2)
+    ckpt = save_checkpoint(part, tmp_path / "ckpt.pt")
     resumed = Simulator(cfg)
-    resumed.load(ckpt)
-    resumed.run()
+    load_checkpoint(resumed, ckpt)
+    run_rounds(resumed)
     gf, gr = full.method.global_params(), resumed.method.global_params()
     assert all(torch.equal(gf[k], gr[k]) for k in gf)
     assert full.history[-1]["test/acc_mean"] == resumed.history[-1]["test/acc_mean"]
@@ -276,7 +278,7 @@ def test_fedala_communication_equals_fedavg():
     runs = {}
     for name in ("fedavg", "fedala"):
         sim = Simulator(ala_config(name, federation__clients_per_round=5))
-        sim.run()
+        run_rounds(sim)
         runs[name] = sim
     comm = {n: {k: v for k, v in s.history[-1].items() if k.startswith("comm/")} for n, s in runs.items()}
     assert comm["fedavg"] and comm["fedavg"] == comm["fedala"]
@@ -321,7 +323,7 @@ def test_fedprox_ala_runs_and_keeps_the_received_anchor():
     for name, mu in (("fedala", None), ("fedprox+ala", 1.0)):
         kw = {} if mu is None else {"method__mu": mu}
         sims[name] = Simulator(ala_config(name, federation__rounds=3, **kw))
-        hist = sims[name].run()
+        hist = run_rounds(sims[name])
         assert hist[-1]["ala/start_clients"] == sims[name].num_clients
         assert hist[-1]["test/acc_mean"] > 0.3
     ga, gp = sims["fedala"].method.global_params(), sims["fedprox+ala"].method.global_params()
@@ -343,9 +345,9 @@ def test_ala_composes_with_personal_methods(base):
     if not _registered(base):
         pytest.skip(f"{base} is not registered")
     plain = Simulator(ala_config(base, federation__rounds=3))
-    plain.run()
+    run_rounds(plain)
     composed = Simulator(ala_config(f"{base}+ala", federation__rounds=3))
-    hist = composed.run()
+    hist = run_rounds(composed)
     assert hist[-1]["ala/start_clients"] == composed.num_clients
     comm = lambda s: {k: v for k, v in s.history[-1].items() if k.startswith("comm/")}  # noqa: E731
     assert comm(plain) == comm(composed)
@@ -371,7 +373,7 @@ def test_fedala_beats_fedavg_on_personalized_accuracy():
     acc = {}
     for name in ("fedavg", "fedala"):
         cfg = ala_config(name, data__num_clients=10, federation__rounds=5, federation__eval_every=5)
-        acc[name] = Simulator(cfg).run()[-1]["test/acc_mean"]
+        acc[name] = run_rounds(Simulator(cfg))[-1]["test/acc_mean"]
     # digits, Dir(0.1), all 10 clients: FedAvg's global model ~0.1-0.2, FedALA ~0.6 after 5 rounds
     assert acc["fedala"] > acc["fedavg"] + 0.2, acc
     assert acc["fedala"] > 0.5, acc

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
-from helpers import small_config
+from helpers import matrix, small_config
+from pfl.callbacks.divergence import run_rounds
 from pfl.federation.messages import Message
 from pfl.federation.simulator import Simulator
 from pfl.models import layer_groups
@@ -38,7 +39,7 @@ def _expected_bytes_per_client(method: str, sim: Simulator) -> tuple[int, int]:
 
 
 def _check_run(sim: Simulator, method: str, rounds: int, per_round: int) -> None:
-    hist = sim.run()
+    hist = run_rounds(sim)
     last = hist[-1]
     assert len(hist) == rounds
     for key in ("test/acc_mean", "val/acc_mean", "test/loss_mean", "train/loss", "comm/total_bytes"):
@@ -54,7 +55,7 @@ def _check_run(sim: Simulator, method: str, rounds: int, per_round: int) -> None
 
 # ---- every method runs, logs the standard metrics, and sends what its messages should carry ---------
 
-@pytest.mark.parametrize("method", ALL)
+@pytest.mark.parametrize("method", matrix(ALL, fast=("scaffold", "ditto")))
 def test_runs_on_digits_with_measured_communication(method):
     sim = Simulator(small_config(method__name=method, federation__clients_per_round=4))
     _check_run(sim, method, rounds=3, per_round=4)
@@ -75,7 +76,7 @@ def _fmnist_config(method: str, **extra):
                         data__cache=False, **extra)
 
 
-@pytest.mark.parametrize("method", ALL)
+@pytest.mark.parametrize("method", matrix(ALL, fast=("scaffold", "ditto")))
 def test_runs_on_fmnist_dirichlet(method, fmnist_data):
     sim = Simulator(_fmnist_config(method), data=fmnist_data)
     _check_run(sim, method, rounds=3, per_round=3)
@@ -193,7 +194,7 @@ def test_ditto_personal_gradient_is_loss_gradient_plus_lambda_pull():
 
 def test_apfl_alpha_zero_personal_model_is_the_global_model():
     sim = Simulator(small_config(method__name="apfl", method__alpha=0.0, method__adaptive=False))
-    sim.run()
+    run_rounds(sim)
     for cid in (0, 3):
         personal = sim.personal_params(cid)
         for k, v in sim.method.global_model.items():
@@ -265,7 +266,7 @@ def test_fedrep_trains_head_then_body_each_with_the_other_frozen(monkeypatch):
 
 def test_lgfedavg_every_client_holds_the_same_head_after_aggregation():
     sim = Simulator(small_config(method__name="lgfedavg", federation__clients_per_round=5))
-    sim.run()
+    run_rounds(sim)
     groups = layer_groups(sim.ctx.model)
     personal = [sim.personal_params(c) for c in range(sim.num_clients)]
     for p in personal[1:]:
@@ -280,7 +281,7 @@ def test_lgfedavg_every_client_holds_the_same_head_after_aggregation():
 def test_lgfedavg_warmup_is_fedavg_then_sends_the_head():
     sim = Simulator(small_config(method__name="lgfedavg", method__warmup_rounds=2, federation__rounds=4,
                                  federation__clients_per_round=4))
-    sim.run()
+    run_rounds(sim)
     d = sum(p.numel() for p in sim.ctx.model.parameters())
     head = sum(p.numel() for n, p in sim.ctx.model.named_parameters() if n in layer_groups(sim.ctx.model).head)
     up = [u for u, _ in sim.ledger.per_round]
@@ -368,7 +369,7 @@ def test_personalized_methods_beat_fedavg_under_label_skew():
     acc = {}
     for method in ("fedavg", "fedrep", "ditto"):
         sim = Simulator(small_config(method__name=method, **common))
-        acc[method] = sim.run()[-1]["test/acc_mean"]
+        acc[method] = run_rounds(sim)[-1]["test/acc_mean"]
     assert max(acc["fedrep"], acc["ditto"]) > acc["fedavg"] + 0.05, acc
     assert acc["fedrep"] > 0.5, acc  # 2 classes per client: chance is about 0.5
 
@@ -386,6 +387,7 @@ def test_search_spaces_load_and_check(name):
     assert space.fixed["method.name"] == name
 
 
+@pytest.mark.slow
 def test_compare_baselines_pipeline_logs_parent_table_and_children(tmp_path):
     root = Path(__file__).resolve().parents[1]
     sys.path.insert(0, str(root / "pipelines"))

@@ -7,28 +7,21 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import small_config, straight_and_resumed
+from helpers import clustered, small_config, straight_and_resumed
+from pfl.callbacks.divergence import run_rounds
 from pfl.federation.messages import Message
 from pfl.federation.simulator import Simulator
 from pfl.methods.cfl import bipartition, split_members
 from pfl.methods.pacfl import cluster_by_threshold, data_basis, proximity
 from pfl.models.functional import flatten_params, unflatten_params
+from pfl.resolver import with_overrides
 from pfl.schema import ConfigError
 
 D_SOFTMAX = 64 * 10 + 10  # softmax regression on 8x8 digits
 
 
-def clustered(kind, clusters, clients, **kw):
-    """A small digits federation with true clusters and a linear model (fast, clusters matter)."""
-    base = dict(data__partition__kind=kind, data__partition__num_clusters=clusters, data__num_clients=clients,
-                data__partition__alpha=0.0, model__name="softmax_regression", federation__lr=0.5,
-                federation__local_epochs=3, federation__clients_per_round=0, federation__threads=1)
-    base.update(kw)
-    return small_config(**base)
-
-
 def final_acc(sim):
-    return sim.run()[-1]["test/acc_mean"]
+    return run_rounds(sim)[-1]["test/acc_mean"]
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +34,7 @@ def fedavg_label_swap():
 def test_ifca_recovers_clusters_beats_fedavg_and_measures_bytes(fedavg_label_swap, tmp_path):
     rounds, m, k = 3, 10, 2
     sim = Simulator(clustered("label_swap", 2, m, method__name="ifca", method__k=k, federation__rounds=rounds))
-    history = sim.run()
+    history = run_rounds(sim)
     last = history[-1]
     assert last["cluster/ari"] >= 0.9 and last["cluster/num"] == 2
     assert last["test/acc_mean"] > fedavg_label_swap + 0.05
@@ -130,7 +123,7 @@ def test_cfl_splits_label_swap_population_and_beats_fedavg(fedavg_label_swap):
     # min_size=5: the two halves of 5 clients may not split again
     sim = Simulator(clustered("label_swap", 2, 10, method__name="cfl", method__start_round=1, method__eps1=100.0,
                               method__eps2=0.0, method__min_size=5, federation__rounds=3))
-    last = sim.run()[-1]
+    last = run_rounds(sim)[-1]
     assert last["cluster/num"] == 2 and last["cluster/ari"] >= 0.9
     assert last["test/acc_mean"] > fedavg_label_swap + 0.05
     assert {"cfl/mean_norm", "cfl/max_norm"} <= set(last)
@@ -187,9 +180,9 @@ def test_pacfl_recovers_rotation_clusters_counts_one_shot_upload_and_beats_fedav
     assert up0 == expected and down0 == 0
     full = [64 * p * len(torch.unique(c.y_train)) * 4 for c in sim.data.clients]
     assert expected == sum(full)  # every label has ≥ p samples here: features × p × #labels × 4 each
-    last = sim.run()[-1]
+    last = run_rounds(sim)[-1]
     assert last["cluster/ari"] >= 0.9 and last["cluster/num"] == 4
-    fedavg = final_acc(Simulator(cfg.replace(["method.name=fedavg"])))
+    fedavg = final_acc(Simulator(with_overrides(cfg, ["method.name=fedavg"])))
     assert last["test/acc_mean"] > fedavg + 0.05
     assert sim.ledger.per_round[1] == (m * D_SOFTMAX * 4, m * D_SOFTMAX * 4)
 
@@ -197,7 +190,7 @@ def test_pacfl_recovers_rotation_clusters_counts_one_shot_upload_and_beats_fedav
 def test_pacfl_partial_participation_collects_bases_then_clusters_everyone():
     sim = Simulator(clustered("rotation", 2, 8, method__name="pacfl", method__beta=11.0, federation__rounds=8,
                               federation__clients_per_round=4))
-    history = sim.run()
+    history = run_rounds(sim)
     assert history[0]["cluster/num"] >= 4  # unreported clients count as their own clusters
     method = sim.method
     assert len(method.bases) == 8, "every client should have reported within 8 rounds at this seed"

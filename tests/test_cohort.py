@@ -5,30 +5,19 @@ import math
 import pytest
 import torch
 
-from helpers import small_config
-from pfl.federation.cohort import Cohort, TrainCall, train_cohort
+from helpers import matrix, method_config, method_names, small_config
+from pfl.callbacks.divergence import run_rounds
+from pfl.federation.batched import train_cohort
+from pfl.federation.cohort import Cohort
 from pfl.federation.simulator import Simulator
-from pfl.methods import get_method, list_methods
-from pfl.training import ClipNorm, PullTo, Shift, SoftThreshold, Terms, local_sgd
+from pfl.methods import get_method
+from pfl.training import ClipNorm, PullTo, Shift, SoftThreshold, Terms, TrainCall, local_sgd
 
-SMALL_ARCHS = [{"name": "mlp", "params": {"hidden": [16]}}, "cnn_fpfc"]
-SETTINGS = {
-    "cfl": {"method__start_round": 1, "method__eps1": 100.0, "method__eps2": 0.0},
-    "fedslr": {"method__lam": 1e-2},
-    "perfed_ckt": {"method__architectures": SMALL_ARCHS, "method__public_size": 40},
-    "lgfedavg": {"method__warmup_rounds": 1},
-    "feddyn": {"method__max_grad_norm": 5.0},
-    # every client in every round
-    "fedpd": {"federation__clients_per_round": 0},
-    "adiana": {"federation__clients_per_round": 0},
-    "marina": {"federation__clients_per_round": 0},
-    # compression at the delivery boundary around a batched cohort (client memories, replicas)
-    "fedavg~compressed": {"compression__uplink": {"name": "topk", "ratio": 0.1},
-                          "compression__error_feedback": True,
-                          "compression__downlink": {"name": "fp16"}},
-}
-VECTORIZED = sorted(m.name for m in list_methods() if m.cohort == "vectorized") + ["fedavg+ala", "ditto+ala",
-                                                                                          "fedavg~compressed"]
+#: compression at the delivery boundary around a batched cohort (client memories, replicas)
+COMPRESSED = {"compression__uplink": {"name": "topk", "ratio": 0.1}, "compression__error_feedback": True,
+              "compression__downlink": {"name": "fp16"}}
+VECTORIZED = method_names(cohort="vectorized") + ["fedavg+ala", "ditto+ala", "fedavg~compressed"]
+FAST = ("fedavg", "scaffold", "fpfc", "fedavg~compressed")
 
 
 def _close(a: float, b: float, tol: float = 1e-4) -> bool:
@@ -37,15 +26,15 @@ def _close(a: float, b: float, tol: float = 1e-4) -> bool:
     return abs(a - b) <= tol * max(1.0, abs(a))
 
 
-@pytest.mark.parametrize("name", VECTORIZED)
+@pytest.mark.parametrize("name", matrix(VECTORIZED, FAST))
 def test_vectorized_cohort_matches_sequential_clients(name):
-    kw = dict(method__name=name.split("~")[0], federation__rounds=3, federation__momentum=0.5,
-              **SETTINGS.get(name, SETTINGS.get(name.split("+")[0], {})))
-    seq = Simulator(small_config(federation__cohort="sequential", **kw))
-    vec = Simulator(small_config(federation__cohort="vectorized", **kw))
+    method, _, variant = name.partition("~")
+    kw = dict(federation__rounds=3, federation__momentum=0.5, **(COMPRESSED if variant else {}))
+    seq = Simulator(method_config(method, federation__cohort="sequential", **kw))
+    vec = Simulator(method_config(method, federation__cohort="vectorized", **kw))
     assert not seq.vectorized and vec.vectorized
-    seq.run()
-    vec.run()
+    run_rounds(seq)
+    run_rounds(vec)
     for a, b in zip(seq.history, vec.history):
         assert a.keys() == b.keys()
         for key, value in a.items():
@@ -110,22 +99,44 @@ def test_closure_hooks_run_alone_and_steps_resume_in_order():
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     seen = []
 
-    class Handle:  # the two entry points a cohort redirects
-        run_training = None
-        run_evaluation = None
-
-    handles = [Handle(), Handle()]
-
-    def step(h, i):
+    def step(compute, i):
         x, y = torch.randn(6, 3), torch.randint(0, 2, (6,))
-        first = h.run_training(model, params, x, y, lr=0.1, epochs=1, steps=2, batch_size=0,
-                               task="classification", grad_hook=lambda g, p: g)
+        kw = dict(lr=0.1, epochs=1, steps=2, batch_size=0, task="classification")
+        first = compute.train(TrainCall(model, params, x, y, dict(kw, grad_hook=lambda g, p: g)))
         seen.append(i)
-        second = h.run_training(model, first.params, x, y, lr=0.1, epochs=1, steps=1, batch_size=0,
-                                task="classification")
+        second = compute.train(TrainCall(model, first.params, x, y, dict(kw, steps=1)))
         return second.steps
 
     cohort = Cohort()
-    assert cohort.run(handles, [lambda: step(handles[0], 0), lambda: step(handles[1], 1)]) == [1, 1]
+    assert cohort.run({7: lambda c: step(c, 0), 3: lambda c: step(c, 1)}) == {7: 1, 3: 1}
     assert seen == [0, 1]
     assert cohort.stats["train_alone"] == 2 and cohort.stats["train_batched"] == 2
+    assert cohort.take_sequential() == {7, 3} and cohort.take_sequential() == set()
+
+
+def test_a_cohort_that_cannot_batch_says_so_once(caplog):
+    model = torch.nn.Linear(3, 2)
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    x, y = torch.randn(6, 3), torch.randint(0, 2, (6,))
+    closure = TrainCall(model, params, x, y, dict(lr=0.1, steps=1, batch_size=0, grad_hook=lambda g, p: g))
+    declared = Cohort(vectorizable=True, method="m")
+    with caplog.at_level("WARNING", logger="pfl.federation.cohort"):
+        declared.run({0: lambda c: c.train(closure), 1: lambda c: c.train(closure)})
+        declared.run({2: lambda c: c.train(closure)})
+    assert declared.take_sequential() == {0, 1, 2}
+    assert len(caplog.records) == 1 and "method m declares cohort='vectorized'" in caplog.records[0].message
+    caplog.clear()
+    undeclared = Cohort(vectorizable=False)
+    with caplog.at_level("WARNING", logger="pfl.federation.cohort"):
+        undeclared.run({0: lambda c: c.train(closure)})
+    assert undeclared.take_sequential() == {0} and not caplog.records
+
+
+def test_clients_a_batched_cohort_runs_alone_are_counted_in_the_round_metrics():
+    # Per-FedAvg's extra minibatch steps are closures: forced into a batched cohort, every sampled
+    # client's training runs alone (its evaluation is batched)
+    sim = Simulator(small_config(method__name="perfedavg", federation__cohort="vectorized", federation__rounds=2))
+    run_rounds(sim)
+    assert [row.get("cohort/sequential_clients") for row in sim.history] == [5.0, 5.0]
+    plain = Simulator(small_config(method__name="fedavg", federation__cohort="vectorized", federation__rounds=1))
+    assert "cohort/sequential_clients" not in run_rounds(plain)[-1]

@@ -7,13 +7,13 @@ import math
 import pytest
 import torch
 
-from helpers import small_config, straight_and_resumed
+from helpers import downlink, matrix, method_config, method_names, same, small_config, straight_and_resumed
+from pfl.callbacks.divergence import run_rounds
 from pfl.compression import build, compress_tensor, index_bits, resolve_spec
 from pfl.compression.codec import STATE_KEY
 from pfl.federation.simulator import Simulator
 from pfl.federation.state import encode
 from pfl.schema import ConfigError
-from test_engine_core import _same
 
 
 def comp(name, **params):
@@ -61,6 +61,7 @@ def test_fp16_relative_error_and_bf16():
 
 # ---- TernGrad, QSGD, (p, s)-quantization -------------------------------------------------------
 
+@pytest.mark.slow
 def test_terngrad_outputs_mean_and_exact_variance():
     c = comp("terngrad")
     v = torch.tensor([0.5, -0.25, 0.0, 1.0])
@@ -74,6 +75,7 @@ def test_terngrad_outputs_mean_and_exact_variance():
     assert comp("terngrad", packing="base").compress(torch.zeros(12)).bits == 32 + 8 * 3   # 5 trits per byte
 
 
+@pytest.mark.slow
 def test_terngrad_omega_is_attained():
     c = comp("terngrad")
     v = torch.tensor([1.0, 1 / 3, 1 / 3, 1 / 3])       # t = 1/(√d + 1) = 1/3 for d = 4
@@ -82,6 +84,7 @@ def test_terngrad_omega_is_attained():
     assert c.omega(4) == 0.5
 
 
+@pytest.mark.slow
 def test_qsgd_mean_variance_and_levels():
     c = comp("qsgd", s=2, bucket=None)
     v = torch.tensor([3.0, 4.0])
@@ -104,6 +107,7 @@ def test_pquant_inf_1_is_terngrad_for_the_same_uniforms():
     assert torch.equal(pq.quantize(v, u), terngrad)
 
 
+@pytest.mark.slow
 def test_pquant_uses_the_p_norm_so_it_stays_unbiased():
     # the slide's ‖·‖₂ in the probability would give 0.8·v here
     s = draws(comp("pquant", p=float("inf"), s=1, bucket=None), torch.tensor([3.0, 4.0]), 100_000)
@@ -157,6 +161,7 @@ def test_sign_plain_and_scaled():
                                   {"name": "terngrad"}, {"name": "pquant", "p": 1.0, "s": 2, "bucket": None},
                                   {"name": "pquant", "p": 3.0, "s": 3, "bucket": 8},
                                   {"name": "randk", "ratio": 0.25}, {"name": "natural"}, {"name": "identity"}])
+@pytest.mark.slow
 def test_every_unbiased_compressor_mean_and_variance_bound(spec):
     """Monte Carlo (20,000 draws, seed 0): every entry's mean within 4 standard errors of v, and
     E‖C(v) − v‖² ≤ ω‖v‖² (+3 % Monte Carlo slack) on a fixed random 64-vector."""
@@ -246,18 +251,18 @@ def test_qsgd_uplink_bytes_are_the_encodings_bits_and_accuracy_holds():
 
 def test_half_precision_logs_the_flushed_fraction():
     sim = Simulator(small_config(federation__rounds=2, compression__uplink__name="fp16"))
-    sim.run()
+    run_rounds(sim)
     assert all(0.0 <= row["comm/fp16_flushed"] < 0.01 for row in sim.history)
-    assert "comm/fp16_flushed" not in Simulator(small_config(federation__rounds=1)).run()[-1]
+    assert "comm/fp16_flushed" not in run_rounds(Simulator(small_config(federation__rounds=1)))[-1]
 
 
 def test_small_and_integer_tensors_travel_dense():
     sim = Simulator(small_config(method__name="ifca", method__k=2, federation__rounds=1,
                                  compression__uplink__name="topk", compression__uplink__ratio=0.01))
-    down = sim.deliver(sim.method.broadcast(0, 0), "down", 0, 0)
-    with sim._as_client(0) as client:
-        reply = sim.client_role.local_update(0, client, down)
-        enc = sim.codec.encode_up(reply, 0, client, down.tensors(), sim.client_role)
+    down = downlink(sim, 0)
+    client = sim.client(0)
+    reply = sim.client_role.local_update(0, client, down)
+    enc = sim.codec.encode_up(reply, 0, client, down.tensors(), sim.client_role)
     kinds = {k: type(e).__name__ for k, e in enc.entries.items()}
     assert kinds["cluster"] == "Tensor"                                 # the integer index
     assert all(kinds[k] == "Tensor" for k, t in reply.entries.items() if t.numel() < 256)
@@ -276,10 +281,10 @@ def test_error_feedback_with_identity_keeps_zero_memory_and_matches_the_uncompre
     """The memory is exactly 0; the models agree to 1e-5 (the server adds the decoded update to
     what it sent, x + (y − x), where the uncompressed run averages y itself: float rounding)."""
     plain = Simulator(small_config(federation__rounds=3))
-    plain.run()
+    run_rounds(plain)
     ef = Simulator(small_config(federation__rounds=3, compression__uplink__name="identity",
                                 compression__error_feedback=True))
-    ef.run()
+    run_rounds(ef)
     memories = [s[STATE_KEY]["ef"] for s in ef.client_states if STATE_KEY in s]
     assert memories and all(float(t.abs().max()) == 0.0 for m in memories for t in m.values())
     for k, t in plain.method.global_model.items():   # x + (y − x) vs y: equal up to float rounding
@@ -287,17 +292,44 @@ def test_error_feedback_with_identity_keeps_zero_memory_and_matches_the_uncompre
     assert ef.history[-1]["comm/up_bytes"] == plain.history[-1]["comm/up_bytes"]
 
 
+def test_the_servers_reference_is_what_it_sent_whatever_the_client_does_with_its_copy():
+    """A client may edit the downlink it received in place (it is its own copy); the uplink codec's
+    reference on the server side is the server's record of what it sent, taken before."""
+    from pfl.methods import METHODS
+    from pfl.methods.fedavg import FedAvg
+
+    class Scribbler(FedAvg):
+        name = "fedavg_scribbler"
+
+        def local_update(self, rnd, client, msg):
+            reply = super().local_update(rnd, client, msg)
+            for t in msg.tensors().values():
+                t.add_(1.0)
+            return reply
+
+    METHODS.register(Scribbler.name, Scribbler)
+    try:
+        lossless = dict(federation__rounds=2, compression__uplink__name="identity")
+        plain, scribbled = Simulator(small_config(**lossless)), Simulator(small_config(method__name=Scribbler.name,
+                                                                                       **lossless))
+        run_rounds(plain)
+        run_rounds(scribbled)
+        same(scribbled.method.global_model, plain.method.global_model)
+    finally:
+        METHODS.remove(Scribbler.name)
+
+
 def test_error_feedback_memory_is_the_compression_error():
     cfg = small_config(federation__rounds=1, federation__clients_per_round=1,
                        compression__uplink__name="topk", compression__uplink__ratio=0.05,
                        compression__error_feedback=True)
     sim = Simulator(cfg)
-    down = sim.deliver(sim.method.broadcast(0, 0), "down", 0, 0)
+    down = downlink(sim, 0)
     received = {k: v.clone() for k, v in down.tensors().items()}
-    with sim._as_client(0) as client:
-        reply = sim.client_role.local_update(0, client, down)
-        enc = sim.codec.encode_up(reply, 0, client, received, sim.client_role)
-        memory = client.state[STATE_KEY]["ef"]
+    client = sim.client(0)
+    reply = sim.client_role.local_update(0, client, down)
+    enc = sim.codec.encode_up(reply, 0, client, received, sim.client_role)
+    memory = client.state[STATE_KEY]["ef"]
     for k, e in enc.entries.items():
         if k in memory:
             assert torch.allclose(memory[k] + e.decoded, reply[k] - received[k], atol=1e-7)
@@ -307,13 +339,13 @@ def test_downlink_compression_keeps_client_replicas_and_server_mirrors_equal():
     cfg = small_config(federation__rounds=4, federation__clients_per_round=0,
                        compression__downlink__name="qsgd", compression__downlink__s=7)
     sim = Simulator(cfg)
-    sim.run()
+    run_rounds(sim)
     for cid, mirror in sim.codec.mirrors.items():
         replica = sim.client_states[cid][STATE_KEY]["replica"]
         assert mirror.keys() == replica.keys()
         assert all(torch.equal(mirror[k], replica[k]) for k in mirror)
     dense = Simulator(small_config(federation__rounds=4, federation__clients_per_round=0))
-    dense.run()
+    run_rounds(dense)
     # every client's first message is dense (it has no replica yet), the next three are 4-bit
     assert sim.history[0]["comm/down_bytes"] == dense.history[0]["comm/down_bytes"]
     assert sim.history[-1]["comm/down_bytes"] < 0.4 * dense.history[-1]["comm/down_bytes"]
@@ -323,8 +355,8 @@ def test_downlink_compression_keeps_client_replicas_and_server_mirrors_equal():
 def test_compression_randomness_is_keyed_by_seed_round_client_and_tensor():
     a = Simulator(small_config(federation__rounds=2, compression__uplink__name="randk"))
     b = Simulator(small_config(federation__rounds=2, compression__uplink__name="randk"))
-    a.run()
-    b.run()
+    run_rounds(a)
+    run_rounds(b)
     assert all(torch.equal(a.method.global_model[k], b.method.global_model[k]) for k in a.method.global_model)
     g = a.ctx.generator
     assert not torch.equal(torch.rand(5, generator=g(0, 1, "compress", "up", "fc1.weight")),
@@ -342,39 +374,24 @@ def test_compressed_runs_resume_exactly(tmp_path, settings):
     straight, resumed = straight_and_resumed(cfg, tmp_path)
     assert [{k: v for k, v in r.items() if "time" not in k} for r in resumed.history] == \
            [{k: v for k, v in r.items() if "time" not in k} for r in straight.history]
-    _same(encode(resumed.model_state()), encode(straight.model_state()))
+    same(encode(resumed.model_state()), encode(straight.model_state()))
     assert resumed.ledger.state_dict() == straight.ledger.state_dict()
 
 
-#: settings that let each method run two compressed rounds on the small digits config
-RUN_SETTINGS = {
-    "perfed_ckt": {"method__architectures": [{"name": "mlp", "params": {"hidden": [16]}}, "cnn_fpfc"],
-                   "method__public_size": 40},
-    "fedpd": {"federation__clients_per_round": 0}, "adiana": {"federation__clients_per_round": 0},
-    "marina": {"federation__clients_per_round": 0}, "ifca": {"method__k": 2},
-}
-
-
-def _method_names():
-    from pfl.methods import list_methods
-
-    return sorted(m.name for m in list_methods() if "+" not in m.name)
-
-
-@pytest.mark.parametrize("name", _method_names())
+@pytest.mark.parametrize("name", matrix(method_names(), fast=("fedavg", "diana")))
 def test_every_method_runs_with_compressed_up_and_downlinks(name):
     own = {"diana", "adiana", "marina"}
     up = {"name": "qsgd", "s": 3} if name in own else {"name": "topk", "ratio": 0.1}
-    cfg = small_config(method__name=name, federation__rounds=2, compression__uplink=up,
-                       compression__error_feedback=name not in own | {"lag"},
-                       compression__downlink={"name": "fp16"}, **RUN_SETTINGS.get(name, {}))
+    cfg = method_config(name, federation__rounds=2, compression__uplink=up,
+                        compression__error_feedback=name not in own | {"lag"}, compression__downlink={"name": "fp16"})
     sim = Simulator(cfg)
-    sim.run()
+    run_rounds(sim)
     assert math.isfinite(sim.history[-1].get("test/acc_mean", sim.history[-1].get("test/rmse_mean", 0.0)))
 
 
 # ---- the table pipeline ---------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_compression_table_pipeline_logs_parent_table_plot_and_children(tmp_path):
     import sys
     from pathlib import Path

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import write_mnist_like
 from pfl.config import DataConfig
 from pfl.data import (ClientData, FederatedData, list_sources, load_federated, resolve_data_config,
                       source_spec)
@@ -55,7 +56,8 @@ def label_shares(fed: FederatedData) -> np.ndarray:
 
 def test_registry_lists_every_source_with_defaults():
     names = [s.name for s in list_sources()]
-    assert names == ["digits", "fmnist", "mnist", "cifar10", "cifar100", "fpfc_synthetic", "fpfc_linear"]
+    assert names[:7] == ["digits", "fmnist", "mnist", "cifar10", "cifar100", "fpfc_synthetic", "fpfc_linear"]
+    assert "files" in names  # a user's own data (tests/test_files_data.py)
     assert source_spec("fpfc_synthetic").default_model == "softmax_regression"
     assert source_spec("fpfc_synthetic").shape({}) == ((60,), 10)
     assert source_spec("fpfc_linear").shape({"num_features": 5}) == ((5,), 0)
@@ -394,19 +396,6 @@ def test_idx_round_trip(tmp_path):
     (tmp_path / "bad").write_bytes(b"\x01\x02\x03\x04")
     with pytest.raises(ValueError):
         read_idx(tmp_path / "bad")
-
-
-def write_mnist_like(folder: Path, n_train: int, n_test: int, rng, gz: bool = True) -> np.ndarray:
-    folder.mkdir(parents=True, exist_ok=True)
-    suffix = ".gz" if gz else ""
-    images = []
-    for part, n in (("train", n_train), ("t10k", n_test)):
-        x = rng.integers(0, 256, (n, 28, 28), dtype=np.uint8)
-        y = (np.arange(n) % 10).astype(np.uint8)
-        write_idx(folder / f"{part}-images-idx3-ubyte{suffix}", x)
-        write_idx(folder / f"{part}-labels-idx1-ubyte{suffix}", y)
-        images.append(x)
-    return np.concatenate(images)
 
 
 def pooled_pixel_sums(fed: FederatedData) -> np.ndarray:

@@ -9,8 +9,9 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from helpers import small_config
-from pfl.config import load
+from pfl.callbacks.divergence import run_rounds
 from pfl.federation.simulator import Simulator
+from pfl.resolver import load
 from pfl.tracking import tracking_uri
 
 
@@ -26,6 +27,7 @@ def _cli(*args, timeout=300):
                           env=env, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_cli_run_logs_one_finished_mlflow_run_with_measured_comm(tmp_path):
     proc = _cli("run", "--set", "method.name=fedavg", "data.source=digits", "data.num_clients=10",
                 "federation.rounds=3")
@@ -53,6 +55,7 @@ def test_cli_run_logs_one_finished_mlflow_run_with_measured_comm(tmp_path):
     assert {"plots/accuracy_vs_round.png", "plots/accuracy_vs_bytes.png"} <= plots
 
 
+@pytest.mark.slow
 def test_cli_local_logs_zero_communication():
     proc = _cli("run", "--set", "method.name=local", "data.source=digits", "data.num_clients=6",
                 "federation.rounds=2")
@@ -61,6 +64,7 @@ def test_cli_local_logs_zero_communication():
     assert runs[0].data.metrics["comm/total_bytes"] == 0
 
 
+@pytest.mark.slow
 def test_cli_lists_methods_and_datasets():
     methods = _cli("methods")
     assert methods.returncode == 0
@@ -71,6 +75,7 @@ def test_cli_lists_methods_and_datasets():
         assert name in datasets.stdout
 
 
+@pytest.mark.slow
 def test_cli_scenario_then_file_then_set(tmp_path):
     from pfl.tune.space import load_scenario
 
@@ -89,6 +94,7 @@ def test_cli_scenario_then_file_then_set(tmp_path):
 FMNIST = "/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists(FMNIST), reason="dataset-fashion-mnist not installed")
 def test_fedavg_learns_fashion_mnist_dirichlet():
     cfg = small_config(data__source="fmnist", data__num_clients=20, data__partition__alpha=0.5,
@@ -96,11 +102,12 @@ def test_fedavg_learns_fashion_mnist_dirichlet():
                        federation__clients_per_round=10, federation__lr=0.1, federation__local_epochs=2,
                        federation__eval_every=5)
     sim = Simulator(cfg)
-    sim.run()
+    run_rounds(sim)
     acc = sim.history[-1]["test/acc_mean"]
     assert acc > 0.5, f"FedAvg on Fashion-MNIST reached only {acc:.3f} (chance is 0.1)"
 
 
+@pytest.mark.slow
 def test_local_beats_fedavg_under_two_label_shards():
     common = dict(data__source="fmnist" if os.path.exists(FMNIST) else "digits", data__num_clients=10,
                   data__partition__kind="shards", data__partition__classes_per_client=2,
@@ -108,6 +115,6 @@ def test_local_beats_fedavg_under_two_label_shards():
                   federation__clients_per_round=0, federation__eval_every=5)
     local = Simulator(small_config(method__name="local", **common))
     fedavg = Simulator(small_config(method__name="fedavg", **common))
-    local.run()
-    fedavg.run()
+    run_rounds(local)
+    run_rounds(fedavg)
     assert local.history[-1]["test/acc_mean"] > fedavg.history[-1]["test/acc_mean"] + 0.05

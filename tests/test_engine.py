@@ -9,9 +9,10 @@ from torch.func import functional_call
 
 from helpers import small_config, straight_and_resumed
 from pfl.aggregation import weighted_average
-from pfl.config import load
+from pfl.callbacks.divergence import run_rounds
 from pfl.federation.messages import Encoded, LowRank, Message
 from pfl.federation.simulator import Simulator
+from pfl.resolver import load, with_overrides
 from pfl.schema import ConfigError
 from pfl.training import local_sgd
 
@@ -46,9 +47,9 @@ def test_config_yaml_round_trip_and_overrides(tmp_path):
     assert again.to_dict() == cfg.to_dict()
     assert again.method.hparams.mu == 0.25
     # switching the method drops the old method's hyperparameters instead of failing on them
-    switched = again.replace(["method.name=fedavg"])
+    switched = with_overrides(again, ["method.name=fedavg"])
     assert switched.method.name == "fedavg" and not hasattr(switched.method.hparams, "mu")
-    assert again.replace(["federation.lr=0.5"]).federation.lr == 0.5
+    assert with_overrides(again, ["federation.lr=0.5"]).federation.lr == 0.5
     # values given before any method name (a scenario, a preset) survive the name set later
     from pfl.config import apply_overrides
     raw = apply_overrides(apply_overrides({}, {"method.init_std": 1.0}), {"method.name": "fpfc"})
@@ -56,6 +57,7 @@ def test_config_yaml_round_trip_and_overrides(tmp_path):
     assert apply_overrides(raw, {"method.name": "fedavg"})["method"] == {"name": "fedavg"}
 
 
+@pytest.mark.slow
 def test_cli_rejects_bad_config_before_training(tmp_path):
     db = tmp_path / "cli.db"
     env = {"MLFLOW_TRACKING_URI": f"sqlite:///{db}", "PATH": "/usr/bin:/bin"}
@@ -134,8 +136,8 @@ def test_fedprox_gradient_is_loss_gradient_plus_mu_pull():
 def test_fedprox_with_mu_zero_is_fedavg_exactly():
     a = Simulator(small_config(method__name="fedavg"))
     b = Simulator(small_config(method__name="fedprox", method__mu=0.0))
-    a.run()
-    b.run()
+    run_rounds(a)
+    run_rounds(b)
     for k in a.method.global_model:
         assert torch.equal(a.method.global_model[k], b.method.global_model[k])
 
@@ -148,7 +150,7 @@ def _num_params(sim):
 
 def test_fedavg_communication_equals_what_messages_carry():
     sim = Simulator(small_config(federation__rounds=3, federation__clients_per_round=4))
-    sim.run()
+    run_rounds(sim)
     d = _num_params(sim)
     expected_each_way = 3 * 4 * d * 4  # rounds × clients × params × float32 bytes
     assert sim.ledger.down_bytes == expected_each_way
@@ -158,7 +160,7 @@ def test_fedavg_communication_equals_what_messages_carry():
 
 def test_local_sends_nothing():
     sim = Simulator(small_config(method__name="local"))
-    sim.run()
+    run_rounds(sim)
     assert sim.ledger.total_bytes == 0
     assert sim.history[-1]["comm/total_bytes"] == 0
 
@@ -186,6 +188,6 @@ def test_resume_equals_uninterrupted(tmp_path, method):
 
 def test_eval_every_and_last_round():
     sim = Simulator(small_config(federation__rounds=5, federation__eval_every=2))
-    sim.run()
+    run_rounds(sim)
     evaluated = [int(m["round"]) for m in sim.history if "test/acc_mean" in m]
     assert evaluated == [1, 3, 4]

@@ -8,6 +8,7 @@ import torch
 
 from helpers import small_config, straight_and_resumed
 from pfl import lowrank
+from pfl.callbacks.divergence import run_rounds
 from pfl.federation.messages import LowRank, Message
 from pfl.federation.simulator import Simulator
 from pfl.prox import soft_threshold
@@ -102,7 +103,7 @@ def test_algorithm2_and_3_give_the_same_iterates(lam, rounds, rtol):
     models = {}
     for algo in ("algo2", "algo3"):
         sim = Simulator(fedslr_config(method__server=algo, method__lam=lam, federation__rounds=rounds))
-        sim.run()
+        run_rounds(sim)
         models[algo] = sim.method.global_model
         if algo == "algo2":
             assert sim.method.gamma_mean is None and sim.method.gamma_all["fc1.weight"].shape[0] == 10
@@ -116,7 +117,7 @@ def test_algorithm2_and_3_give_the_same_iterates(lam, rounds, rtol):
 def test_server_mirrors_client_duals():
     """Algorithm 2's server copy of γ_i equals the client's own γ_i (no extra traffic needed)."""
     sim = Simulator(fedslr_config(method__server="algo2", method__lam=1e-3, federation__rounds=2))
-    sim.run()
+    run_rounds(sim)
     seen = [c for c in range(sim.num_clients) if "gamma" in sim.client_states[c]]
     assert seen
     for cid in seen:
@@ -131,7 +132,7 @@ def test_large_lambda_lowers_rank_and_downlink_bytes():
     results = {}
     for lam in (0.0, 3e-2):
         sim = Simulator(fedslr_config(method__lam=lam, federation__rounds=4, federation__eval_every=4))
-        final = sim.run()[-1]
+        final = run_rounds(sim)[-1]
         results[lam] = (final, [down for _, down in sim.ledger.per_round])
     dense, sparse = results[0.0], results[3e-2]
     full = dense[0]["model/rank_mean"]
@@ -147,7 +148,7 @@ def test_large_lambda_lowers_rank_and_downlink_bytes():
 
 def test_model_params_count_matches_the_message():
     sim = Simulator(fedslr_config(method__lam=3e-2, federation__rounds=3))
-    sim.run()
+    run_rounds(sim)
     msg = sim.method.broadcast(sim.round, 0)
     assert msg.num_params() == sim.method.gkr_params()
     assert msg.nbytes() == 4 * sim.method.gkr_params()
@@ -157,7 +158,7 @@ def test_model_params_count_matches_the_message():
 def test_mixed_model_beats_gkr_on_personalized_accuracy():
     cfg = fedslr_config(data__partition__alpha=0.1, federation__rounds=6, federation__eval_every=6,
                         federation__lr=0.05)
-    final = Simulator(cfg).run()[-1]
+    final = run_rounds(Simulator(cfg))[-1]
     assert final["test/acc_mean"] > 0.3, final  # chance: 0.1
     assert final["test/acc_mean"] > final["global/test_acc"] + 0.1, final
     assert 0.0 < final["model/sparsity"] < 1.0
@@ -168,7 +169,7 @@ def test_larger_mu_gives_sparser_personal_part():
     sparsity = {}
     for mu in (0.0, 0.05):
         cfg = fedslr_config(method__mu=mu, federation__rounds=2, federation__eval_every=2)
-        sparsity[mu] = Simulator(cfg).run()[-1]["model/sparsity"]
+        sparsity[mu] = run_rounds(Simulator(cfg))[-1]["model/sparsity"]
     # μ = 0 leaves only never-updated entries at zero (constant-zero pixels, dead units)
     assert sparsity[0.05] > sparsity[0.0] + 0.2
 
@@ -203,7 +204,7 @@ def test_unknown_lowrank_exclude_is_a_config_error_and_exclusion_works():
     with pytest.raises(ConfigError):
         Simulator(fedslr_config(method__lowrank_exclude=["fc1.bias"]))
     sim = Simulator(fedslr_config(method__lam=1e-2, method__lowrank_exclude=["fc2.weight"], federation__rounds=2))
-    final = sim.run()[-1]
+    final = run_rounds(sim)[-1]
     assert "model/rank/fc2.weight" not in final and "model/rank/fc1.weight" in final
     assert isinstance(sim.method.broadcast(2, 0)["fc2.weight"], torch.Tensor)
 
@@ -224,9 +225,9 @@ def test_lambda_zero_phase_one_is_feddyn():
     common = dict(federation__rounds=3, federation__eval_every=3, federation__weight_decay=0.0)
     slr = Simulator(fedslr_config(method__lam=0.0, method__eta=5.0, method__weight_decay=0.0,
                                   method__phase2_epochs=0, **common))
-    slr.run()
+    run_rounds(slr)
     dyn = Simulator(small_config(method__name="feddyn", method__alpha=0.2, **common))
-    dyn.run()
+    run_rounds(dyn)
     for name, a in dyn.method.global_model.items():
         b = slr.method.global_model[name]
         assert float((a - b).norm() / a.norm()) < 1e-5, name

@@ -6,26 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import small_config, straight_and_resumed
-from pfl.config import load
-from pfl.federation.async_clock import AsyncSimulator, DelayModel, samples_per_update
+from helpers import small_config, straight_and_resumed, synthetic_config
+from pfl.callbacks.divergence import run_rounds
+from pfl.federation.async_clock import AsyncSimulator
+from pfl.federation.clock import DelayModel, samples_per_update
 from pfl.federation.simulator import Simulator
 from pfl.methods.fpfc import pair_update, zeta
 from pfl.prox import group_soft_threshold, scad_prox
+from pfl.resolver import with_overrides
 from pfl.schema import ConfigError
-
-
-def synthetic_config(**overrides):
-    """A small S1-like federation: clustered softmax regression, full-batch GD, 80/20 split."""
-    base = {
-        "data.source": "fpfc_synthetic", "data.num_clients": 20, "data.val_fraction": 0.0,
-        "data.test_fraction": 0.2, "data.params.size_scale": 0.1, "method.name": "fpfc",
-        "federation.rounds": 3, "federation.clients_per_round": 6, "federation.batch_size": 0,
-        "federation.local_steps": 10, "federation.lr": 0.1, "federation.eval_every": 1000,
-        "tracking.enabled": False, "seed": 1,
-    }
-    base.update({k.replace("__", "."): v for k, v in overrides.items()})
-    return load(None, base)
 
 
 # ---- server math ------------------------------------------------------------------------------
@@ -119,7 +108,7 @@ def test_zeta_equals_direct_formula():
 
 def test_communication_is_one_model_each_way_per_sampled_device():
     sim = Simulator(synthetic_config(federation__rounds=2))
-    sim.run()
+    run_rounds(sim)
     p = 60 * 10 + 10
     assert sim.method.theta.shape == (20, 20, p)
     for up, down in sim.ledger.per_round:
@@ -128,7 +117,7 @@ def test_communication_is_one_model_each_way_per_sampled_device():
 
 def test_server_state_antisymmetric_and_untouched_rows_after_a_round():
     sim = Simulator(synthetic_config(federation__rounds=1))
-    sim.run()
+    run_rounds(sim)
     method = sim.method
     sampled = set(sim.sample(0))
     assert torch.equal(method.theta, -method.theta.transpose(0, 1))
@@ -143,13 +132,14 @@ def test_server_state_antisymmetric_and_untouched_rows_after_a_round():
         assert torch.equal(method.W[cid], own)
 
 
+@pytest.mark.slow
 def test_fpfc_finds_the_true_clusters_and_beats_fedavg():
     # 20 devices of S1's generator at 30 % of the sizes: 4 clusters from round ~100 on (FedAvg ~39 %)
     cfg = synthetic_config(**{"data.num_clients": 20, "data.params.size_scale": 0.3,
                               "federation.rounds": 150, "federation.clients_per_round": 10,
                               "federation.eval_every": 150, "method.lam": 0.8})
     sim = Simulator(cfg)
-    sim.run()
+    run_rounds(sim)
     final = sim.history[-1]
     assert final["cluster/num"] == 4
     assert final["cluster/ari"] >= 0.95
@@ -161,8 +151,8 @@ def test_fpfc_finds_the_true_clusters_and_beats_fedavg():
     chosen = sim.method.extra_metrics(sim.round)
     assert chosen["fpfc/nu"] == sim.method.readout_nu() != 0.1
     assert chosen["cluster/num"] == len(np.unique(sim.method.clusters(chosen["fpfc/nu"]))) >= 2
-    fedavg = Simulator(cfg.replace({"method.name": "fedavg"}))
-    fedavg.run()
+    fedavg = Simulator(with_overrides(cfg, {"method.name": "fedavg"}))
+    run_rounds(fedavg)
     assert final["test/acc_mean"] > fedavg.history[-1]["test/acc_mean"] + 0.1
     assert final["fpfc/readout_acc"] > fedavg.history[-1]["test/acc_mean"] + 0.1
 
@@ -170,13 +160,13 @@ def test_fpfc_finds_the_true_clusters_and_beats_fedavg():
 def test_fpfc_l1_runs_and_is_the_l1_configuration():
     sim = Simulator(synthetic_config(method__name="fpfc_l1", federation__rounds=4, federation__eval_every=2))
     assert sim.method.hp.penalty == "l1" and sim.method.hp.lam == 0.2 and sim.method.hp.nu == 4.0
-    sim.run()
+    run_rounds(sim)
     last = sim.history[-1]
     assert np.isfinite(last["test/acc_mean"]) and last["cluster/num"] >= 1
     # the same thing spelled as fpfc with penalty=l1 gives the identical run
     same = Simulator(synthetic_config(method__penalty="l1", method__lam=0.2, method__nu=4.0,
                                       federation__rounds=4, federation__eval_every=2))
-    same.run()
+    run_rounds(same)
     assert torch.equal(same.method.theta, sim.method.theta)
 
 
@@ -191,11 +181,11 @@ def test_resume_continues_identically(tmp_path):
 
 def test_lambda_can_be_changed_between_rounds():
     sim = Simulator(synthetic_config(federation__rounds=4, federation__eval_every=1))
-    sim.run(until=2)
+    run_rounds(sim, until=2)
     sim.method.hp = dataclasses.replace(sim.method.hp, lam=0.3)
     delta = torch.tensor([[0.5, 0.0]])   # linear region for λ = 0.3 (1 − λ/r); λ = 0.8 would shrink it to ~0
     torch.testing.assert_close(sim.method.prox()(delta), torch.tensor([[0.2, 0.0]]))
-    sim.run()
+    run_rounds(sim)
     assert sim.history[-1]["fpfc/lambda"] == 0.3 and sim.history[1]["fpfc/lambda"] == 0.8
 
 
@@ -225,7 +215,7 @@ def test_shared_body_clusters_only_the_head(stale):
     cfg = small_config(method__name="fpfc", method__shared_layers="body", method__stale_body=stale,
                        model__name="mlp", federation__rounds=3, federation__eval_every=3)
     sim = Simulator(cfg)
-    sim.run()
+    run_rounds(sim)
     method = sim.method
     head = sum(method.template[k].numel() for k in method.clustered)
     body = sum(t.numel() for t in method.body.values())
@@ -244,7 +234,7 @@ def test_shared_body_clusters_only_the_head(stale):
 
 def test_artifacts_table_and_plot(tmp_path):
     sim = Simulator(synthetic_config(federation__rounds=2, federation__eval_every=1))
-    sim.run()
+    run_rounds(sim)
     paths = sim.method.artifacts(str(tmp_path))
     rows = (tmp_path / "fpfc_clusters.csv").read_text().strip().splitlines()
     assert rows[0] == "client,true_cluster,found_cluster,n_train" and len(rows) == 21
@@ -256,7 +246,7 @@ def test_artifacts_table_and_plot(tmp_path):
 def test_sync_clock_is_the_sum_of_slowest_device_per_round():
     cfg = synthetic_config(federation__rounds=3, federation__eval_every=3)
     sim = Simulator(cfg)
-    sim.run()
+    run_rounds(sim)
     delays = DelayModel(sim.ctx)
     expected = sum(max(delays.tau(r, c) for c in sim.sample(r)) for r in range(3))
     assert sim.history[-1]["time/sim_clock"] == pytest.approx(expected)
@@ -294,11 +284,13 @@ def test_async_driver_is_a_config_value():
     assert err.value.field == "federation.driver"
 
 
+@pytest.mark.slow
 def test_lambda_path_round_budget():
     from pfl.tune.lambda_path import PathSettings, separate_run, warmup_path
 
-    settings = PathSettings(lambdas=[0.6, 0.2, 0.4], eval_every=2, stage_cap=4, min_stage_rounds=2,
-                            tolerance=1.0, patience=5, budget=12)
+    # tolerance 1.0 with a window of one evaluation: every segment converges at its second evaluation
+    settings = PathSettings(lambdas=[0.6, 0.2, 0.4], eval_every=2, stage_cap=4, window=1, tolerance=1.0,
+                            patience=5, extend=0, finalists=1, budget=12)
     with pytest.raises(ConfigError) as err:     # no validation split: nothing to select λ by
         warmup_path(Simulator(synthetic_config()), settings)
     assert err.value.field == "data.val_fraction"
@@ -306,46 +298,66 @@ def test_lambda_path_round_budget():
     seen = []
     result = warmup_path(sim, settings, on_stage=lambda i, s: seen.append((s["lambda"], sim.round)))
     assert [lam for lam, _ in seen] == [0.2, 0.4, 0.6]          # ascending by default
-    # tolerance 1.0 ends every stage as soon as min_stage_rounds allow: 2 evaluations apart
     assert [rounds for _, rounds in seen] == [4, 8, 12]
+    assert all(s["converged"] == 1 for s in result.stages)
     best_round = dict(seen)[result.best_lambda]
-    # the final model continues the best stage until its lineage has had `budget` rounds
-    assert sim.round == settings.budget and sim.method.hp.lam == result.best_lambda
-    assert result.total_rounds == 12 + (settings.budget - best_round)
+    # the final model continues the best stage until it converges too (4 rounds here), never past the budget
+    final = result.final
+    assert sim.method.hp.lam == result.best_lambda and sim.round == min(best_round + 4, settings.budget)
+    assert final["rounds"] == sim.round - best_round and result.total_rounds == 12 + final["rounds"]
     fresh = Simulator(synthetic_config(federation__rounds=10**6, data__val_fraction=0.2))
     stage = separate_run(fresh, 0.4, settings)
-    assert stage["rounds"] == settings.budget == fresh.round      # no early stop for separate runs
+    assert stage["rounds"] == 4 == fresh.round and stage["converged"] == 1   # the same rule, not the budget
 
 
-def test_lambda_path_playoff_continues_the_best_stages_from_their_own_states():
+@pytest.mark.slow
+def test_lambda_path_playoff_continues_the_best_stages_to_equal_rounds_from_their_own_states():
     from pfl.tune.lambda_path import PathSettings, warmup_path
 
-    settings = PathSettings(lambdas=[0.2, 0.4, 0.6], eval_every=2, stage_cap=4, min_stage_rounds=2,
-                            tolerance=1.0, patience=5, finalists=2, playoff_rounds=3, budget=20)
+    settings = PathSettings(lambdas=[0.2, 0.4, 0.6], eval_every=2, stage_cap=4, window=1, tolerance=1.0,
+                            patience=5, extend=0, finalists=2, playoff_rounds=3, budget=20)
     sim = Simulator(synthetic_config(federation__rounds=10**6, data__val_fraction=0.2))
     stages, rounds_seen = [], []
     result = warmup_path(sim, settings, on_stage=lambda i, s: stages.append((s["val/acc_mean"], s["lambda"])),
                          on_round=lambda m: rounds_seen.append(sim.round))
     end_of = {0.2: 4, 0.4: 8, 0.6: 12}
-    finalists = [lam for _, lam in sorted(stages, key=lambda s: -s[0])[:2]]
+    finalists = sorted((lam for _, lam in sorted(stages, key=lambda s: -s[0])[:2]), key=lambda lam: -end_of[lam])
     playoff = result.extra["playoff"]
-    assert [m["lambda"] for m in playoff] == finalists and all(m["rounds"] == 3 for m in playoff)
-    # each finalist restarts from its own path state: rounds r+1..r+3 after the path's 1..12
+    target = max(end_of[lam] for lam in finalists) + 3
+    assert [m["lambda"] for m in playoff] == finalists          # the latest first
+    assert all(m["lineage"] == target for m in playoff)          # compared after equal training
+    # each finalist restarts from its own path state and trains to the same lineage round
     expected = list(range(1, 13))
     for lam in finalists:
-        expected += list(range(end_of[lam] + 1, end_of[lam] + 4))
+        expected += list(range(end_of[lam] + 1, target + 1))
     winner = max(playoff, key=lambda m: m["val/acc_mean"])["lambda"]
     assert result.best_lambda == winner and sim.method.hp.lam == winner
-    expected += list(range(end_of[winner] + 4, settings.budget + 1))
-    assert rounds_seen == expected and sim.round == settings.budget
-    assert result.total_rounds == len(expected) == 12 + 2 * 3 + settings.budget - (end_of[winner] + 3)
-    from pfl.schema import from_dict
-    for half, field in (({"finalists": 3}, "pipeline.playoff_rounds"), ({"playoff_rounds": 50}, "pipeline.finalists")):
-        with pytest.raises(ConfigError) as err:   # a playoff needs both settings
-            from_dict(PathSettings, half, "pipeline")
-        assert err.value.field == field
+    expected += list(range(target + 1, target + 5))             # converged after 2 evaluations
+    assert rounds_seen == expected and sim.round == target + 4
+    assert result.total_rounds == len(expected)
 
 
+def test_lambda_path_on_a_regression_source_selects_by_rmse_and_ends():
+    from pfl.resolver import load
+    from pfl.tune.lambda_path import PathSettings, warmup_path
+
+    cfg = load(None, {"data.source": "fpfc_linear", "data.num_clients": 10, "data.val_fraction": 0.2,
+                      "data.params.size_scale": 0.1, "method.name": "fpfc", "federation.rounds": 10**6,
+                      "federation.clients_per_round": 5, "federation.batch_size": 0, "federation.local_steps": 5,
+                      "federation.lr": 0.05, "tracking.enabled": False})
+    sim = Simulator(cfg)
+    settings = PathSettings(lambdas=[0.2, 0.4], eval_every=2, stage_cap=10, window=1, tolerance=1e-3, extend=1,
+                            finalists=2, playoff_rounds=2, budget=30)
+    result = warmup_path(sim, settings)     # only val/rmse_mean is reported: the path must still end
+    rmse = {s["lambda"]: s["val/rmse_mean"] for s in result.stages}
+    assert "val/acc_mean" not in result.stages[0] and sim.round <= settings.budget
+    assert list(rmse) == [0.2, 0.4, 0.6] and rmse[0.6] < rmse[0.4]   # RMSE still falling: the grid extended
+    finalists = sorted(rmse, key=rmse.get)[:2]             # the lowest validation RMSE, not the highest
+    assert {m["lambda"] for m in result.extra["playoff"]} == set(finalists)
+    assert result.best_lambda == min(result.extra["playoff"], key=lambda m: m["val/rmse_mean"])["lambda"]
+
+
+@pytest.mark.slow
 def test_reproduce_pipeline_runs_the_label_swap_scenario_with_its_fpfc_setting():
     import sys
     from pathlib import Path
@@ -371,7 +383,7 @@ def test_reproduce_pipeline_runs_the_label_swap_scenario_with_its_fpfc_setting()
 
 
 def test_silhouette_threshold_reads_out_blobs_and_declines_noise():
-    from pfl.evaluation import connected_components, silhouette_threshold
+    from pfl.clusters import connected_components, silhouette_threshold
     from sklearn.metrics import adjusted_rand_score
 
     rng = np.random.default_rng(0)

@@ -4,16 +4,17 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import small_config, straight_and_resumed
+from helpers import clustered, same, small_config, straight_and_resumed, synthetic_config
+from pfl.callbacks.divergence import run_rounds
+from pfl.federation.checkpoint import load_checkpoint, save_checkpoint
 from pfl.federation.loop import RoundLoop
 from pfl.federation.messages import Message
 from pfl.federation.newcomers import newcomer_clients
 from pfl.federation.simulator import Simulator
 from pfl.federation.state import encode
 from pfl.models.functional import unflatten_params
+from pfl.resolver import with_overrides
 from pfl.schema import ConfigError
-from test_clustered_baselines import clustered
-from test_engine_core import _same
 
 
 def _cfg(name: str = "fedavg", **extra):
@@ -24,8 +25,8 @@ def test_newcomers_are_round_m_fraction_drawn_once_from_the_seed():
     cfg = _cfg()
     ids = newcomer_clients(cfg, 10)
     assert len(ids) == 3 and ids == newcomer_clients(cfg, 10) and list(ids) == sorted(ids)
-    assert newcomer_clients(cfg.replace({"seed": 3}), 10) != ids
-    assert newcomer_clients(cfg.replace({"newcomers.fraction": 0.0}), 10) == ()
+    assert newcomer_clients(with_overrides(cfg, {"seed": 3}), 10) != ids
+    assert newcomer_clients(with_overrides(cfg, {"newcomers.fraction": 0.0}), 10) == ()
     with pytest.raises(ConfigError, match="newcomers.fraction"):
         small_config(newcomers__fraction=0.96)                           # round(9.6) = 10 of 10 clients
     with pytest.raises(ConfigError, match="newcomers.rounds"):
@@ -40,8 +41,8 @@ def test_newcomers_are_never_sampled_nor_evaluated_during_training(name):
     for rnd in range(3):
         assert set(sim.sample(rnd)) == set(sim.ctx.members)
     states = encode([sim.client_states[c] for c in sorted(held)])
-    sim.run(until=2)
-    _same(encode([sim.client_states[c] for c in sorted(held)]), states)   # nobody touched them
+    run_rounds(sim, until=2)
+    same(encode([sim.client_states[c] for c in sorted(held)]), states)   # nobody touched them
     assert [r["client"] for r in sim.last_client_table] == sim.ctx.members
     assert sim.history[-1]["test/acc_mean"] == pytest.approx(np.mean([r["test_acc"] for r in sim.last_client_table]))
 
@@ -67,7 +68,7 @@ def test_after_the_last_round_the_newcomers_join_and_are_reported_apart():
 
 def test_join_traffic_is_counted_apart_from_training():
     sim = Simulator(_cfg("fpfc", federation__rounds=2, newcomers__tol=0.0))
-    sim.run()
+    run_rounds(sim)
     p = sum(t.numel() for t in sim.method.init.values())
     steps = int(sim.join_result["newcomer/join_steps"])
     assert steps == 3
@@ -83,12 +84,12 @@ def test_the_join_is_deterministic_and_resumes(tmp_path, name):
     cfg = _cfg(name, federation__rounds=3, **extra)
     straight, resumed = straight_and_resumed(cfg, tmp_path)
     assert straight.join_result == resumed.join_result and "newcomer/acc_mean" in straight.join_result
-    _same(encode(resumed.model_state()), encode(straight.model_state()))
+    same(encode(resumed.model_state()), encode(straight.model_state()))
     assert resumed.ledger.state_dict() == straight.ledger.state_dict()
     # a finished run resumed from its final checkpoint reports the join without joining again
-    straight.save(tmp_path / "final.pt")
+    save_checkpoint(straight, tmp_path / "final.pt")
     again = Simulator(cfg)
-    again.load(tmp_path / "final.pt")
+    load_checkpoint(again, tmp_path / "final.pt")
     loop = RoundLoop(again, [])
     loop.run()
     assert loop.summary == straight.join_result
@@ -97,7 +98,7 @@ def test_the_join_is_deterministic_and_resumes(tmp_path, name):
 
 def test_local_newcomers_train_alone_and_send_nothing():
     sim = Simulator(_cfg("local", federation__rounds=1))
-    sim.run()
+    run_rounds(sim)
     init = sim.client_role.init
     for c in sim.ctx.newcomers:
         assert any(not torch.equal(sim.client_states[c]["params"][k], init[k]) for k in init)
@@ -108,7 +109,7 @@ def test_local_newcomers_train_alone_and_send_nothing():
 def test_ifca_newcomers_pick_the_lowest_loss_model_and_count_in_the_assignment():
     sim = Simulator(clustered("label_swap", 2, 10, method__name="ifca", method__k=2, federation__rounds=3,
                               newcomers__fraction=0.2))
-    sim.run()
+    run_rounds(sim)
     found = sim.method.cluster_assignment()
     assert sorted(found) == list(range(10))
     from pfl.training import evaluate
@@ -123,7 +124,7 @@ def test_ifca_newcomers_pick_the_lowest_loss_model_and_count_in_the_assignment()
 def test_cfl_newcomers_descend_the_split_tree():
     sim = Simulator(clustered("label_swap", 2, 10, method__name="cfl", method__start_round=1, method__eps1=100.0,
                               method__eps2=0.0, method__min_size=5, federation__rounds=3, newcomers__fraction=0.2))
-    sim.run(until=3)
+    run_rounds(sim, until=3)
     method = sim.method
     assert len(method.clusters) == 2 and list(method.tree) == [0]
     node = method.tree[0]
@@ -144,14 +145,14 @@ def test_cfl_newcomers_descend_the_split_tree():
 def test_cfl_newcomers_join_the_true_cluster_end_to_end():
     sim = Simulator(clustered("label_swap", 2, 10, method__name="cfl", method__start_round=1, method__eps1=100.0,
                               method__eps2=0.0, method__min_size=5, federation__rounds=3, newcomers__fraction=0.2))
-    sim.run()
+    run_rounds(sim)
     assert sim.join_result["newcomer/join_steps"] == 1          # one split: one level of the tree
     assert sim.join_result["newcomer/in_true_cluster"] == 1.0 and sim.join_result["newcomer/ari"] >= 0.9
 
 
 def test_fpfc_join_moves_only_the_newcomers_rows():
     sim = Simulator(_cfg("fpfc", federation__rounds=2, federation__clients_per_round=0))
-    sim.run(until=1)
+    run_rounds(sim, until=1)
     sim.run_round()                          # the last round, without the loop's join
     m = sim.method
     mem = sim.ctx.members
@@ -169,28 +170,27 @@ def test_fpfc_join_moves_only_the_newcomers_rows():
     assert sorted(m.cluster_assignment()) == list(range(10))
 
 
+@pytest.mark.slow
 def test_fpfc_newcomers_join_their_true_clusters():
     # 20 devices of S1's generator at 30 % of the sizes, 4 of them newcomers
-    from test_fpfc import synthetic_config
-
     cfg = synthetic_config(**{"data.num_clients": 20, "data.params.size_scale": 0.3, "federation.rounds": 150,
                               "federation.clients_per_round": 8, "federation.eval_every": 150, "method.lam": 0.8,
                               "newcomers.fraction": 0.2, "newcomers.rounds": 100})
     sim = Simulator(cfg)
-    sim.run()
+    run_rounds(sim)
     result = sim.join_result
     assert result["newcomer/in_true_cluster"] == 1.0 and result["newcomer/ari"] >= 0.95
     assert result["newcomer/join_steps"] < 100                        # every newcomer settled (newcomers.tol)
-    fedavg = Simulator(cfg.replace({"method.name": "fedavg"}))       # FedAvg's rule: the global model
-    fedavg.run()
+    fedavg = Simulator(with_overrides(cfg, {"method.name": "fedavg"}))       # FedAvg's rule: the global model
+    run_rounds(fedavg)
     assert result["newcomer/acc_mean"] > fedavg.join_result["newcomer/acc_mean"] + 0.1
 
 
 def test_asynchronous_fpfc_dispatches_only_the_members():
-    from pfl.federation.simulator import simulator_for
+    from pfl.federation.drivers import simulator_for
 
     cfg = _cfg("fpfc", federation__driver="async", federation__rounds=2)
     sim = simulator_for(cfg)(cfg)
-    sim.run()
+    run_rounds(sim)
     assert {entry[2] for entry in sim.queue} == set(sim.ctx.members)
     assert sim.join_result["newcomer/count"] == 3

@@ -10,6 +10,7 @@ from sklearn.metrics import adjusted_rand_score
 from torch.func import functional_call
 
 from helpers import small_config, straight_and_resumed
+from pfl.callbacks.divergence import run_rounds
 from pfl.federation.messages import Message
 from pfl.federation.simulator import Simulator
 from pfl.methods.perfed_ckt import assign_architectures, regulariser
@@ -35,7 +36,7 @@ def test_message_bytes_are_logits_only(dtype, b, downlink, k):
     n_t, m = 24, 6
     sim = Simulator(ckt_config(method__public_per_round=n_t, method__logit_dtype=dtype,
                                method__downlink=downlink, method__k=k))
-    sim.run()
+    run_rounds(sim)
     (up0, down0), (up1, down1) = sim.ledger.per_round
     assert up0 == up1 == m * n_t * C * b           # every client uploads N_t×C logits
     assert down0 == 0                               # nobody has uploaded before round 0
@@ -126,10 +127,10 @@ def test_lambda_zero_is_local_exactly():
     common = dict(model__name="mlp", model__params={"hidden": [16]}, data__num_clients=8,
                   federation__clients_per_round=4, federation__rounds=3)
     local = Simulator(small_config(method__name="local", **common))
-    local.run()
+    run_rounds(local)
     arch = []  # the default: model.name/params, Local's model and init
     ckt = Simulator(ckt_config(method__lam=0.0, method__architectures=arch, **common))
-    ckt.run()
+    run_rounds(ckt)
     assert ckt.ledger.up_bytes > 0  # it still talked, but the talk had no effect
     for cid in range(8):
         a = local.personal_params(cid)
@@ -137,7 +138,7 @@ def test_lambda_zero_is_local_exactly():
         assert all(torch.equal(a[k], b[k]) for k in a)
     # and λ > 0 does change the models (so the comparison above can fail)
     ckt2 = Simulator(ckt_config(method__lam=1.0, method__architectures=arch, **common))
-    ckt2.run()
+    run_rounds(ckt2)
     changed = [cid for cid in range(8)
                if not all(torch.equal(local.personal_params(cid)[k], v)
                           for k, v in ckt2.personal_params(cid).items())]
@@ -148,7 +149,7 @@ def test_lambda_zero_is_local_exactly():
 
 def test_heterogeneous_architectures_train_upload_evaluate_and_learn():
     sim = Simulator(ckt_config(data__num_clients=8, federation__rounds=8, method__public_size=100))
-    sim.run()
+    run_rounds(sim)
     kinds = {type(sim.client_role.client_model(c)).__name__ for c in range(8)}
     assert kinds == {"MLP", "CNNFPFC"}
     for cid in range(8):
@@ -163,6 +164,7 @@ def test_heterogeneous_architectures_train_upload_evaluate_and_learn():
         assert key in final
 
 
+@pytest.mark.slow
 def test_clusters_of_shifted_labels_are_found_and_beat_unclustered_and_local():
     # two clusters whose labels differ everywhere (y → y+1 mod 10), iid within a cluster: the
     # all-client teacher (k=1) blends both labelings, the cluster teacher (k=2) is right
@@ -172,7 +174,7 @@ def test_clusters_of_shifted_labels_are_found_and_beat_unclustered_and_local():
             method__public_size=200, method__k=k, method__lam=lam, data__num_clients=10,
             data__partition__kind="label_shift", data__partition__alpha=0.0, data__partition__num_clusters=2,
             data__test_fraction=0.3, federation__rounds=40, federation__eval_every=40, federation__local_epochs=2))
-        sim.run()
+        run_rounds(sim)
         return sim.history[-1]
 
     clustered, unclustered, local = final(2, 1.0), final(1, 1.0), final(2, 0.0)
@@ -217,7 +219,7 @@ def test_public_set_is_disjoint_from_client_data_by_default_and_counts_its_overl
     pub = sim.method.public
     assert pub.overlap == 0 and len(pub) == 200
     assert _rows_held_by_clients(sim, pub.x) == 0                 # checked by content, not by index
-    sim.run()
+    run_rounds(sim)
     assert sim.history[-1]["ckt/public_overlap"] == 0.0
     # fewer unused samples than asked for: the smaller disjoint pool, with a warning
     with caplog.at_level("WARNING", logger="pfl.methods.public_set"):
@@ -297,7 +299,7 @@ def test_regulariser_value_and_gradient_on_a_tiny_model(kind, t):
     ({"method.architectures": [{"nme": "mlp"}]}, "method.architectures[0]"),
 ])
 def test_bad_hyperparameters_name_the_field(override, field):
-    from pfl.config import load
+    from pfl.resolver import load
 
     with pytest.raises(ConfigError) as info:
         load(None, {"method.name": "perfed_ckt", "tracking.enabled": False, **override})

@@ -1,4 +1,5 @@
-"""Byzantine attacks (uplink transforms), robust aggregators, benign-only metrics."""
+"""Byzantine attacks (uplink transforms): what a malicious client sends, who is malicious, benign-only
+metrics, and the robustness and newcomers pipelines."""
 
 import math
 
@@ -6,15 +7,14 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import small_config, straight_and_resumed
-from pfl.aggregation import (RobustAggregation, aggregate, byzantine_count, coordinate_median, krum,
-                             krum_scores, trim_count, trimmed_mean)
+from helpers import same, small_config, straight_and_resumed
+from pfl.callbacks.divergence import run_rounds
 from pfl.federation.attacks import Attack, attack_tensors, malicious_clients
 from pfl.federation.messages import LowRank, Message
 from pfl.federation.simulator import Simulator
 from pfl.federation.state import encode
+from pfl.resolver import with_overrides
 from pfl.schema import ConfigError
-from test_engine_core import _same
 
 
 def _attack(kind: str, fraction: float = 0.5, **extra):
@@ -120,10 +120,10 @@ def test_malicious_subset_is_round_m_fraction_drawn_once_from_the_seed():
     ids = malicious_clients(cfg, 10)
     assert len(ids) == 3 and list(ids) == sorted(set(ids))               # round(2.5) = 3 (halves up)
     assert malicious_clients(cfg, 10) == ids
-    assert malicious_clients(cfg.replace({"attack.kind": "sign_flip"}), 10) == ids   # same clients for every attack
-    assert malicious_clients(cfg.replace({"seed": 5}), 10) != ids
-    assert malicious_clients(cfg.replace({"attack.kind": "none"}), 10) == ()
-    assert len(malicious_clients(cfg.replace({"attack.fraction": 0.8}), 100)) == 80
+    assert malicious_clients(with_overrides(cfg, {"attack.kind": "sign_flip"}), 10) == ids  # same for every attack
+    assert malicious_clients(with_overrides(cfg, {"seed": 5}), 10) != ids
+    assert malicious_clients(with_overrides(cfg, {"attack.kind": "none"}), 10) == ()
+    assert len(malicious_clients(with_overrides(cfg, {"attack.fraction": 0.8}), 100)) == 80
 
 
 def test_the_same_clients_are_attacked_in_every_round_and_after_a_resume(tmp_path):
@@ -150,20 +150,20 @@ def test_the_same_clients_are_attacked_in_every_round_and_after_a_resume(tmp_pat
     straight, resumed = straight_and_resumed(cfg, tmp_path)
     assert resumed.malicious == straight.malicious == sim.malicious
     assert [h.get("test/acc_mean") for h in resumed.history] == [h.get("test/acc_mean") for h in straight.history]
-    _same(encode(resumed.model_state()), encode(straight.model_state()))
+    same(encode(resumed.model_state()), encode(straight.model_state()))
 
 
 @pytest.mark.parametrize("name", ["fpfc", "ditto", "ifca"])
 def test_an_attack_never_changes_the_attackers_kept_state(name):
     extra = {"method__k": 2} if name == "ifca" else {}
     cfg = small_config(method__name=name, federation__clients_per_round=0, federation__rounds=1, **extra)
-    attacked_cfg = cfg.replace({"attack.kind": "gaussian", "attack.fraction": 0.4})
+    attacked_cfg = with_overrides(cfg, {"attack.kind": "gaussian", "attack.fraction": 0.4})
     clean, attacked = Simulator(cfg), Simulator(attacked_cfg)
     clean.run_round(evaluate=False)
     attacked.run_round(evaluate=False)
     assert len(attacked.malicious) == 4
     # every client trained from the same message and kept what it trained; the server got noise
-    _same(encode(attacked.client_states), encode(clean.client_states))
+    same(encode(attacked.client_states), encode(clean.client_states))
     if name == "fpfc":
         bad = sorted(attacked.malicious)
         good = [c for c in range(10) if c not in attacked.malicious]
@@ -176,7 +176,7 @@ def test_metrics_under_attack_are_those_of_the_benign_clients(tmp_path):
     cfg = small_config(method__name="fedavg", attack__kind="sign_flip", attack__fraction=0.3,
                        federation__rounds=2)
     sim = Simulator(cfg)
-    sim.run()
+    run_rounds(sim)
     final = sim.history[-1]
     rows = sim.last_client_table
     assert [r["malicious"] for r in rows] == [int(r["client"] in sim.malicious) for r in rows]
@@ -195,7 +195,7 @@ def test_attacked_newcomers_are_left_out_of_the_newcomer_metrics():
     cfg = small_config(method__name="fpfc", attack__kind="gaussian", attack__fraction=0.3, newcomers__fraction=0.3,
                        newcomers__rounds=2, federation__rounds=2)
     sim = Simulator(cfg)
-    sim.run()
+    run_rounds(sim)
     rows = sim.last_client_table
     good_new = [r["test_acc"] for r in rows if r["newcomer"] and not r["malicious"]]
     assert sim.join_result["newcomer/count"] == len(good_new) >= 1
@@ -208,7 +208,7 @@ def test_an_attack_that_blows_up_the_model_is_an_outcome_not_a_failure():
     cfg = small_config(method__name="fedavg", attack__kind="gaussian", attack__fraction=0.5,
                        attack__gaussian_std=1e30, federation__rounds=3)
     sim = Simulator(cfg)
-    sim.run()                                   # no DivergedError
+    run_rounds(sim)                                   # no DivergedError
     assert sim.round == 3 and any(h.get("attack/diverged") == 1.0 for h in sim.history)
     assert 0.0 <= sim.history[-1]["test/acc_mean"] <= 1.0
 
@@ -226,92 +226,6 @@ def test_attack_config_is_validated_before_any_work():
         small_config(method__name="scaffold", method__aggregator="median")   # no global-model average to replace
 
 
-# ---- robust aggregators against direct computations ---------------------------------------------------
-
-def _models(n=7, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [{"w": torch.randn(3, 4, generator=g), "b": torch.randn(4, generator=g, dtype=torch.float64)}
-            for _ in range(n)]
-
-
-@pytest.mark.parametrize("n", [1, 2, 5, 6])
-def test_coordinate_median_is_numpys_median(n):
-    models = _models(n)
-    out = coordinate_median(models)
-    for k in ("w", "b"):
-        direct = np.median(np.stack([m[k].numpy() for m in models]), axis=0)
-        np.testing.assert_allclose(out[k].numpy(), direct, rtol=1e-6)
-        assert out[k].dtype == models[0][k].dtype
-
-
-@pytest.mark.parametrize("n,beta", [(7, 0.2), (10, 0.1), (4, 0.4), (3, 0.45), (5, 0.0)])
-def test_trimmed_mean_drops_the_extremes_of_each_coordinate(n, beta):
-    models = _models(n, seed=n)
-    out = trimmed_mean(models, beta)
-    b = min(int(beta * n), (n - 1) // 2)
-    assert trim_count(n, beta) == b
-    for k in ("w", "b"):
-        x = np.sort(np.stack([m[k].numpy() for m in models]), axis=0)
-        np.testing.assert_allclose(out[k].numpy(), x[b:n - b].mean(axis=0), rtol=1e-6, atol=1e-7)
-
-
-def test_krum_picks_the_model_with_the_smallest_neighbourhood_distance():
-    models = _models(8, seed=3)
-    models[5] = {k: v + 50 for k, v in models[5].items()}      # an outlier is never chosen
-    f = 2
-    flat = np.stack([np.concatenate([m["w"].numpy().ravel(), m["b"].numpy().ravel()]) for m in models])
-    d = ((flat[:, None, :] - flat[None, :, :]) ** 2).sum(-1)
-    scores = [np.sort(np.delete(d[i], i))[:8 - f - 2].sum() for i in range(8)]
-    np.testing.assert_allclose(krum_scores(torch.as_tensor(flat), f).numpy(), scores, rtol=1e-9)
-    out, chosen = krum(models, f)
-    assert chosen == [int(np.argmin(scores))] and chosen != [5]
-    for k in ("w", "b"):
-        assert torch.allclose(out[k], models[chosen[0]][k])
-    multi, picked = krum(models, f, select=3)
-    assert picked == [int(i) for i in np.argsort(scores, kind="stable")[:3]]
-    assert torch.allclose(multi["w"], torch.stack([models[i]["w"] for i in picked]).mean(0))
-
-
-def test_aggregate_dispatches_and_uses_the_attack_fraction_for_krum():
-    models = _models(10, seed=4)
-    mean = torch.stack([m["w"] for m in models]).mean(0)
-    assert torch.allclose(aggregate(models, None, RobustAggregation())["w"], mean)
-    assert byzantine_count(10, 0.4) == 4 and byzantine_count(30, 0.2) == 6 and byzantine_count(5, 0.5) == 3
-    rule = RobustAggregation(aggregator="krum")
-    assert torch.equal(aggregate(models, None, rule, attack_fraction=0.4)["w"], krum(models, 4)[0]["w"])
-    rule = RobustAggregation(aggregator="krum", byzantine_share=0.1)
-    assert torch.equal(aggregate(models, None, rule, attack_fraction=0.4)["w"], krum(models, 1)[0]["w"])
-
-
-@pytest.mark.parametrize("name", ["fedavg", "fedprox", "ditto", "fedadam", "lgfedavg", "fedavg+ala"])
-def test_the_methods_with_a_global_model_average_through_the_rule(name):
-    sim = Simulator(small_config(method__name=name, method__aggregator="median"))
-    replies = {c: sim.client_step(0, c, sim.deliver(sim.method.broadcast(0, c), "down", 0, c)) for c in range(5)}
-    shared = list(replies[0].tensors())
-    direct = coordinate_median([r.tensors() for r in replies.values()], shared)
-    assert torch.allclose(sim.method.reply_average(replies, shared)[shared[0]], direct[shared[0]])
-    if name != "fedadam":
-        sim.method.aggregate(0, replies)
-        for k in shared:
-            assert torch.allclose(sim.method.global_model[k], direct[k], atol=1e-6)
-
-
-def test_robust_rules_keep_fedavg_learning_where_the_mean_collapses():
-    # digits, 10 clients Dir(0.5), all participating, 8 rounds: clean 58 %, attacked mean 10 %,
-    # median 26 %, Krum 25 % (the robust rules ignore the outliers but learn slower on non-IID data)
-    base = dict(method__name="fedavg", federation__rounds=8, federation__clients_per_round=0)
-    clean = Simulator(small_config(**base))
-    clean.run()
-    attacked = {}
-    for rule in ("mean", "median", "krum"):
-        sim = Simulator(small_config(attack__kind="gaussian", attack__fraction=0.2, method__aggregator=rule, **base))
-        sim.run()
-        attacked[rule] = sim.history[-1]["test/acc_mean"]
-    acc = clean.history[-1]["test/acc_mean"]
-    assert attacked["mean"] < acc - 0.3
-    assert attacked["median"] > attacked["mean"] + 0.1 and attacked["krum"] > attacked["mean"] + 0.1
-
-
 # ---- the pipelines ------------------------------------------------------------------------------------
 
 TINY_S1 = ["data.num_clients=12", "data.params.size_scale=0.05", "federation.clients_per_round=6"]
@@ -324,6 +238,7 @@ def _pipelines():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipelines"))
 
 
+@pytest.mark.slow
 def test_robustness_pipeline_logs_parent_table_plots_and_children(tmp_path):
     _pipelines()
     import robustness
@@ -369,6 +284,7 @@ def test_robustness_pipeline_cli_rejects_bad_input():
                             "--set", "attack.gaussian_std=-1"]) == 2
 
 
+@pytest.mark.slow
 def test_newcomers_pipeline_prints_table_3_beside_the_paper(tmp_path):
     _pipelines()
     import newcomers
@@ -399,53 +315,15 @@ def test_newcomers_pipeline_prints_table_3_beside_the_paper(tmp_path):
     assert "newcomers.csv" in {a.path for a in mc.list_artifacts(by["s1/fpfc/seed0"].info.run_id)}
 
 
-def test_fpfc_combines_its_shared_body_by_the_robust_rule():
-    cfg = small_config(method__name="fpfc", method__shared_layers="body", method__aggregator="median",
-                       federation__clients_per_round=5, federation__rounds=1)
-    sim = Simulator(cfg)
-    sampled = sim.sample(0)
-    sim.method.begin_round(0, sampled)
-    replies = {c: sim.client_step(0, c, sim.deliver(sim.method.broadcast(0, c), "down", 0, c)) for c in sampled}
-    sim.method.aggregate(0, replies)
-    direct = coordinate_median([r.tensors() for r in replies.values()], sim.method.shared)
-    assert sim.method.shared and all(torch.allclose(sim.method.body[k], direct[k]) for k in sim.method.shared)
-
-
-def test_fpfc_refuses_a_robust_rule_with_nothing_shared_and_checks_the_rule():
-    with pytest.raises(ConfigError, match="method.aggregator.*shared_layers"):
-        small_config(method__name="fpfc", method__aggregator="median")
-    with pytest.raises(ConfigError, match="method.byzantine_share"):
-        small_config(method__name="fpfc_l1", method__shared_layers="body", method__aggregator="krum",
-                     method__byzantine_share=-0.5)
-    with pytest.raises(ConfigError, match="method.byzantine_share"):
-        small_config(method__name="fedavg", method__aggregator="krum", method__byzantine_share=-0.5)
-    assert small_config(method__name="fpfc", method__shared_layers="body",
-                        method__aggregator="trimmed_mean").method.hparams.aggregator == "trimmed_mean"
-
-
-def test_krum_breaks_the_tie_of_mutually_nearest_replies_by_position():
-    # n − f − 2 = 1: a reply's score is the distance to its nearest neighbour, so the closest pair ties
-    g = torch.Generator().manual_seed(11)
-    base = torch.randn(6, 50, generator=g, dtype=torch.float64) * 3
-    base[4] = base[1] + 1e-3 * torch.randn(50, generator=g, dtype=torch.float64)   # 1 and 4: the closest pair
-    for perturb in (0.0, 1e-13):      # rounding-sized noise must not change the pick
-        x = base.clone()
-        x[4] += perturb
-        scores = krum_scores(x, 3)
-        assert scores[1] == scores[4] and int(torch.argmin(scores)) == 1
-        models = [{"w": r.float()} for r in x]
-        assert krum(models, 3)[1] == [1]
-
-
 def test_attack_and_newcomer_metrics_are_in_the_sweep_catalog():
     """A sweep may optimise ``newcomer/acc_mean`` or read ``attack/benign_clients``: both are catalogued,
     and only for configs that report them."""
-    from pfl.evaluation import metric_known, reported_metrics
+    from pfl.metric_catalog import metric_known, reported_metrics
 
     cfg = small_config(method__name="fpfc", attack__kind="gaussian", attack__fraction=0.2, newcomers__fraction=0.2,
                        newcomers__rounds=2, federation__rounds=2)
     sim = Simulator(cfg)
-    sim.run()
+    run_rounds(sim)
     logged = {k for row in sim.history for k in row if k not in ("round", "step")} | set(sim.join_result)
     assert {"attack/benign_clients", "newcomer/acc_mean", "newcomer/clusters", "comm/join_up_bytes"} <= logged
     catalog = reported_metrics(cfg)
@@ -464,8 +342,8 @@ def test_attacks_and_robust_rules_act_alike_on_sequential_and_vectorized_cohorts
     seq = Simulator(small_config(federation__cohort="sequential", **kw))
     vec = Simulator(small_config(federation__cohort="vectorized", **kw))
     assert not seq.vectorized and vec.vectorized and seq.malicious == vec.malicious
-    seq.run()
-    vec.run()
+    run_rounds(seq)
+    run_rounds(vec)
     for a, b in zip(seq.history, vec.history):
         for key in ("test/acc_mean", "attack/benign_clients", "comm/up_bytes"):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
@@ -485,10 +363,3 @@ def test_attacks_refuse_an_encoded_uplink_before_any_work():
     # a compressed downlink leaves the uploads plain: allowed
     cfg = small_config(attack__kind="gaussian", attack__fraction=0.2, compression__downlink={"name": "fp16"})
     assert cfg.attack.kind == "gaussian"
-
-
-@pytest.mark.parametrize("name", ["diana", "lag"])
-def test_methods_with_their_own_encoded_aggregation_refuse_a_robust_rule(name):
-    with pytest.raises(ConfigError, match="method.aggregator"):
-        small_config(method__name=name, method__aggregator="median")
-    assert small_config(method__name=name).method.hparams.aggregator == "mean"

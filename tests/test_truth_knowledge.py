@@ -124,7 +124,7 @@ def test_fedala_start_phase_learns_the_box_optimal_mix_and_training_starts_there
 # ---- PerFed-CKT ----------------------------------------------------------------------------------
 
 def _ckt_sim(lam, temperature):
-    from pfl.config import load
+    from pfl.resolver import load
     from pfl.federation.simulator import Simulator
 
     cfg = load(None, {"method.name": "perfed_ckt", "method.architectures": ["softmax_regression"],

@@ -6,12 +6,10 @@ interface, so all of Ray's traffic stays on 127.0.0.1.
 """
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pandas as pd
@@ -24,98 +22,6 @@ from pfl.tune.space import base_config, check_space, load_space
 
 ROOT = Path(__file__).resolve().parents[1]
 SPACES = ROOT / "search_spaces"
-
-
-class Cluster:
-    def __init__(self, prefix, address, env):
-        self.prefix, self.address, self.env = prefix, address, env
-
-    def popen(self, args, env_extra, **kwargs):  # kwargs: e.g. start_new_session for a process group
-        env = dict(self.env, **env_extra)
-        return subprocess.Popen(self.prefix + args, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, **kwargs)
-
-    def run(self, args, env_extra, timeout=600):
-        proc = self.popen(args, env_extra)
-        out, _ = proc.communicate(timeout=timeout)
-        return proc.returncode, out
-
-
-def _processes_of(temp_dir: str, ns: str | None) -> list[int]:
-    """PIDs of this test cluster only: the processes in its network namespace, those whose command
-    line names its private temp dir, and their descendants (workers rename themselves ``ray::...``).
-    ``ray stop`` would kill every Ray process of the machine, a user's running sweep included."""
-    parent, roots = {}, set()
-    if ns:
-        out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout
-        roots |= {int(pid) for pid in out.split()}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            stat = (proc / "stat").read_text()
-            cmdline = (proc / "cmdline").read_bytes()
-        except OSError:
-            continue
-        pid = int(proc.name)
-        parent[pid] = int(stat.rsplit(")", 1)[1].split()[1])
-        if temp_dir.encode() in cmdline:
-            roots.add(pid)
-    found, changed = set(roots), True
-    while changed:
-        kids = {pid for pid, ppid in parent.items() if ppid in found} - found
-        found |= kids
-        changed = bool(kids)
-    mine, pid = set(), os.getpid()
-    while pid > 1 and pid not in mine:  # never this process or the ones that started it
-        mine.add(pid)
-        pid = parent.get(pid, 1)
-    return sorted(found - mine)
-
-
-def _stop_cluster(temp_dir: str, ns: str | None) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        pids = _processes_of(temp_dir, ns)
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.time() + 15
-        while pids and time.time() < deadline and _processes_of(temp_dir, ns):
-            time.sleep(0.5)
-
-
-@pytest.fixture(scope="session")
-def ray_cluster():
-    ns = f"pfltest{os.getpid()}"
-    temp_dir = f"/tmp/pflray{os.getpid()}"  # short: Ray's socket paths live below it
-    prefix: list[str] = []
-    if os.geteuid() == 0 and shutil.which("ip"):
-        if subprocess.run(["ip", "netns", "add", ns], capture_output=True).returncode == 0:
-            prefix = ["ip", "netns", "exec", ns]
-            subprocess.run(prefix + ["ip", "link", "set", "lo", "up"], check=True)
-    port = 20000 + os.getpid() % 20000
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "MLFLOW_", "PFL_"))}
-    # Ray >= 2.60's `ray start` no longer creates a token: give this cluster a private one (never
-    # the user's ~/.ray/auth_token), which the drivers below find through RAY_AUTH_TOKEN_PATH
-    os.makedirs(temp_dir, exist_ok=True)
-    token_path = Path(temp_dir) / "auth_token"
-    token_path.write_text(uuid.uuid4().hex)
-    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_path), PYTHONUNBUFFERED="1")
-    ray = shutil.which("ray") or str(Path(sys.executable).parent / "ray")
-    start = subprocess.run(prefix + [ray, "start", "--head", f"--port={port}", "--num-cpus=2",
-                                     f"--temp-dir={temp_dir}", "--include-dashboard=false",
-                                     "--disable-usage-stats"],
-                           env=env, capture_output=True, text=True, timeout=180)
-    try:
-        assert start.returncode == 0, start.stdout + start.stderr
-        yield Cluster(prefix, f"127.0.0.1:{port}", env)
-    finally:
-        _stop_cluster(temp_dir, ns if prefix else None)
-        if prefix:
-            subprocess.run(["ip", "netns", "delete", ns], capture_output=True)
-        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def _store(tmp_path):
@@ -184,7 +90,7 @@ def test_tune_fpfc_presets_apply_and_validate():
     sys.path.insert(0, str(ROOT / "pipelines"))
     from tune_fpfc import apply_preset
 
-    from pfl.config import resolve
+    from pfl.resolver import resolve
     from pfl.schema import from_dict
     from pfl.tune.lambda_path import PathSettings
 
@@ -215,6 +121,7 @@ def test_resources_parse_and_reject():
 
 # ---- sweeps on the session's Ray head ----------------------------------------------------------
 
+@pytest.mark.slow
 def test_smoke_sweep_on_cluster_logs_parent_children_and_table(ray_cluster, tmp_path):
     env, db = _store(tmp_path)
     env["RAY_ADDRESS"] = ray_cluster.address
@@ -242,6 +149,7 @@ def test_smoke_sweep_on_cluster_logs_parent_children_and_table(ray_cluster, tmp_
     assert "Trial status" not in out and "[" in out and "fedavg lr=" in out
 
 
+@pytest.mark.slow
 def test_diverging_trial_fails_alone(ray_cluster, tmp_path):
     env, db = _store(tmp_path)
     env["RAY_ADDRESS"] = ray_cluster.address
@@ -262,6 +170,7 @@ def test_diverging_trial_fails_alone(ray_cluster, tmp_path):
     assert "failed: fedavg lr=1e+12: round 1: training loss is nan" in out
 
 
+@pytest.mark.slow
 def test_sweep_whose_trials_all_fail_exits_nonzero_with_each_reason(ray_cluster, tmp_path):
     env, db = _store(tmp_path)
     env["RAY_ADDRESS"] = ray_cluster.address
@@ -281,6 +190,7 @@ def test_sweep_whose_trials_all_fail_exits_nonzero_with_each_reason(ray_cluster,
     assert parents[0].info.status == "FAILED"
 
 
+@pytest.mark.slow
 def test_bad_metric_name_exits_2_before_ray_starts(tmp_path):
     env, db = _store(tmp_path)
     space = _write(tmp_path, {"base": {"data.source": "digits"}, "fixed": {"method.name": "fedavg"},
@@ -294,6 +204,7 @@ def test_bad_metric_name_exits_2_before_ray_starts(tmp_path):
     assert time.time() - started < 60
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("address, words", [("127.0.0.1:1", ["no Ray cluster answers", "127.0.0.1:1"]),
                                             ("ray://127.0.0.1:10001", ["Ray Client", "RAY_ADDRESS"])])
 def test_unreachable_or_ray_client_address_fails_fast_and_clearly(tmp_path, address, words):
@@ -306,6 +217,7 @@ def test_unreachable_or_ray_client_address_fails_fast_and_clearly(tmp_path, addr
     assert time.time() - started < 30 + 15  # the address check, plus loading the smoke data
 
 
+@pytest.mark.slow
 def test_driver_without_token_mode_connects_with_the_token_it_finds(ray_cluster, tmp_path):
     env, db = _store(tmp_path)
     env["RAY_ADDRESS"] = ray_cluster.address
@@ -335,6 +247,7 @@ def _wait_for_children(proc, db, uri, finished_at_least=1, started_at_least=2, t
     raise AssertionError(f"no trial run appeared in MLflow within {timeout} s")
 
 
+@pytest.mark.slow
 def test_interrupted_sweep_resumes_without_losing_or_duplicating_runs(ray_cluster, tmp_path):
     env, db = _store(tmp_path)
     env["RAY_ADDRESS"] = ray_cluster.address
@@ -380,6 +293,7 @@ def test_interrupted_sweep_resumes_without_losing_or_duplicating_runs(ray_cluste
         assert sorted(steps) == list(range(1, 31)), sorted(steps)
 
 
+@pytest.mark.slow
 def test_sigterm_stops_a_sweep_like_ctrl_c(ray_cluster, tmp_path):
     env, db = _store(tmp_path)
     env["RAY_ADDRESS"] = ray_cluster.address
@@ -400,6 +314,7 @@ def test_sigterm_stops_a_sweep_like_ctrl_c(ray_cluster, tmp_path):
     assert all(c.info.status in ("FINISHED", "KILLED") for c in children)
 
 
+@pytest.mark.slow
 def test_tune_fpfc_smoke_logs_path_table_and_best_lambda(ray_cluster, tmp_path):
     import re
 
@@ -409,8 +324,10 @@ def test_tune_fpfc_smoke_logs_path_table_and_best_lambda(ray_cluster, tmp_path):
                                  "--storage", str(tmp_path / "ray_results")], env, timeout=900)
     assert code == 0, out[-4000:]
     flat = " ".join(out.split())  # the explanation is wrapped to the terminal
-    printed = float(re.search(r"λ = ([0-9.]+) had the best validation accuracy and was continued", flat).group(1))
-    assert "columns:" in out and "Trial status" not in out
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| (warmup|separate) \| ([0-9., ]+) \|", out, re.M)}
+    assert set(rows) == {"warmup", "separate"}, out[-3000:]
+    assert "counting: rounds = every round one side computed" in flat and "Trial status" not in out
+    assert re.search(r"warmup vs separate: λ [0-9./]+ vs [0-9./]+, test acc [+-][0-9.]+ pt \(", flat)
     # progress: trials identified by what they try, stage ends announced
     assert re.search(r"\] warmup path [^:]*: round \d+ .*stage λ=[0-9.]+ ended", out), out[-3000:]
     mc = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
@@ -418,26 +335,33 @@ def test_tune_fpfc_smoke_logs_path_table_and_best_lambda(ray_cluster, tmp_path):
     top = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     assert len(top) == 1
     top = top[0]
-    assert float(top.data.tags["selected_lambda.warmup"]) == printed
-    separate = float(re.search(r"separate: every λ of the grid .*? λ = ([0-9.]+) had the best final", flat).group(1))
-    assert float(top.data.tags["selected_lambda.separate"]) == separate
+    assert float(top.data.tags["selected_lambda.warmup"]) == float(rows["warmup"])
+    assert float(top.data.tags["selected_lambda.separate"]) == float(rows["separate"])
     sweeps = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == top.info.run_id]
     assert {r.data.tags["pfl.strategy"] for r in sweeps} == {"warmup", "separate"}
     trials = [r for r in runs if r.data.tags.get("mlflow.parentRunId") in {s.info.run_id for s in sweeps}]
     warm_trials = [t for t in trials if t.data.tags.get("pfl.strategy") == "warmup"]
+    separate = [t for t in trials if t.data.tags.get("pfl.strategy") == "separate"]
     assert warm_trials and all(t.info.status == "FINISHED" for t in trials)
     history = sorted(mc.get_metric_history(warm_trials[0].info.run_id, "stage/lambda"), key=lambda m: m.step)
     lambdas = [m.value for m in history]
     assert len(lambdas) >= 2 and lambdas == sorted(lambdas)  # the default path ascends
     path = sorted(mc.get_metric_history(top.info.run_id, "stage/lambda"), key=lambda m: m.step)
     assert [m.value for m in path] == lambdas  # the smoke preset has one warmup trial: the best
-    # the smoke preset has a 2-finalist playoff: the selected λ is the playoff's best
+    # every λ the path visited was also trained from scratch, and all of it counted: the separate
+    # side's rounds are its runs' rounds summed
+    assert sorted(float(t.data.params["method.lam"]) for t in separate) == sorted(set(lambdas) | {0.6, 0.8, 1.0})
+    summed = sum(t.data.metrics["fpfc/total_rounds"] for t in separate)
+    assert top.data.metrics["separate/rounds"] == summed
+    assert top.data.metrics["warmup/rounds"] == warm_trials[0].data.metrics["fpfc/total_rounds"]
+    # the smoke preset has a 2-finalist playoff at equal lineage rounds; the selected λ is its best
     playoff = {m.step: m.value for m in mc.get_metric_history(warm_trials[0].info.run_id, "playoff/lambda")}
     played = {m.step: m.value for m in mc.get_metric_history(warm_trials[0].info.run_id, "playoff/val_acc")}
-    assert len(playoff) == 2 and set(playoff.values()) <= set(lambdas)
-    assert playoff[max(played, key=played.get)] == printed
+    lineage = {m.value for m in mc.get_metric_history(warm_trials[0].info.run_id, "playoff/lineage_rounds")}
+    assert len(playoff) == 2 and set(playoff.values()) <= set(lambdas) and len(lineage) == 1
+    assert playoff[max(played, key=played.get)] == float(rows["warmup"])
     top_artifacts = {a.path for a in mc.list_artifacts(top.info.run_id)}
-    assert {"strategies.parquet", "strategies.md"} <= top_artifacts
+    assert {"strategies.parquet", "strategies.md", "per_lambda.csv"} <= top_artifacts
     assert "plots/lambda_path.png" in {a.path for a in mc.list_artifacts(top.info.run_id, "plots")}
     for sweep in sweeps:
         assert "trials.parquet" in {a.path for a in mc.list_artifacts(sweep.info.run_id)}

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pfl.config import config_notes, load
+from pfl.callbacks.divergence import run_rounds
+from pfl.config import config_notes
+from pfl.resolver import load
 from pfl.schema import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,6 +39,7 @@ def test_bad_values_name_their_key(overrides, field):
     assert err.value.field == field, str(err.value)
 
 
+@pytest.mark.slow
 def test_yaml_syntax_error_names_file_and_line(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("data:\n  source: digits\nfederation: {rounds: 3\n")
@@ -57,11 +60,13 @@ def test_clients_per_round_above_the_population_is_announced():
     assert not config_notes(load(None, {"data.num_clients": 6, "federation.clients_per_round": 3}))
 
 
+@pytest.mark.slow
 def test_resume_needs_a_checkpoint():
     proc = _pfl("run", "--resume", "--no-track")
     assert proc.returncode == 2 and "--resume" in proc.stderr and "--checkpoint" in proc.stderr
 
 
+@pytest.mark.slow
 def test_unwritable_mlflow_store_is_named_within_seconds(tmp_path):
     missing = tmp_path / "no" / "such" / "dir" / "mlflow.db"
     started = time.perf_counter()
@@ -111,20 +116,20 @@ def test_search_metric_must_be_reported():
 def test_metric_catalog_covers_what_runs_report():
     """Every metric a run logs is in the catalog the sweeps check names against."""
     from helpers import small_config
-    from pfl.evaluation import metric_known, reported_metrics
+    from pfl.metric_catalog import metric_known, reported_metrics
     from pfl.federation.simulator import Simulator
 
     for name, extra in (("fpfc", {}), ("fedslr", {"method__lam": 1e-2}), ("fedavg+ala", {}), ("cfl", {}),
                         ("pacfl", {}), ("ifca", {})):
         sim = Simulator(small_config(method__name=name, federation__rounds=2, **extra))
-        sim.run()
+        run_rounds(sim)
         logged = {k for row in sim.history for k in row if k not in ("round", "step")}
         catalog = reported_metrics(sim.cfg)
         assert all(metric_known(k, catalog) for k in logged), (name, sorted(k for k in logged if not metric_known(k, catalog)))
 
 
 def test_truncated_data_file_is_named(tmp_path):
-    from test_data import write_mnist_like
+    from helpers import write_mnist_like
     import numpy as np
 
     folder = tmp_path / "fm"
@@ -139,6 +144,7 @@ def test_truncated_data_file_is_named(tmp_path):
     assert gzip  # the files are gzip-compressed like the published ones
 
 
+@pytest.mark.slow
 def test_readme_first_example_learns():
     readme = (ROOT / "README.md").read_text()
     line = next(ln.strip() for ln in readme.splitlines() if ln.strip().startswith("pfl run --set method.name=fedavg"))

@@ -119,7 +119,7 @@ def least_squares(sizes=(20, 30, 24, 27), d=2, clusters=None, betas=None, noise=
 def config(method: str, num_clients: int, *, steps: int = 3, lr: float = 0.05, rounds: int = 1,
            per_round: int = 0, model: str = "linear_regression", source: str = "fpfc_linear", **overrides):
     """A config for the federations here: full-batch steps, every client every round by default."""
-    from pfl.config import load
+    from pfl.resolver import load
 
     base = {"method.name": method, "data.source": source, "data.num_clients": num_clients,
             "model.name": model, "federation.rounds": rounds, "federation.clients_per_round": per_round,

@@ -4,13 +4,16 @@ Under a Byzantine attack (``attack.kind`` set) a non-finite loss is a measured o
 attack, not a failed configuration: the model the attackers poisoned is what the benign clients
 get. The run then goes on (non-finite models are evaluated as they are: their accuracy is what
 their arg-max predicts) and the round's metrics carry ``attack/diverged`` = 1.
+
+:func:`run_rounds` is the round loop with only this check: how tests and benchmarks run a simulator.
 """
 
 from __future__ import annotations
 
 import math
 
-from ..federation.loop import Callback, StopTraining
+from ..federation.loop import Callback, RoundLoop, StopTraining
+from ..federation.simulator import DivergedError
 
 
 class StopOnDivergence(Callback):
@@ -23,3 +26,12 @@ class StopOnDivergence(Callback):
                     return
                 what = "training loss" if key == "train/loss" else key
                 raise StopTraining("FAILED", f"round {int(metrics['round']) + 1}: {what} is {value}")
+
+
+def run_rounds(sim, until: int | None = None) -> list[dict[str, float]]:
+    """Run ``sim`` to round ``until`` (default: ``federation.rounds``; newcomers join at the end)
+    with the divergence check; returns its history. A non-finite loss raises :class:`DivergedError`."""
+    result = RoundLoop(sim, [StopOnDivergence()]).run(until)
+    if result.status == "FAILED":
+        raise DivergedError(result.reason)
+    return sim.history

@@ -54,4 +54,8 @@ class TuneReporter(Callback):
 
     def on_end(self, loop, result: LoopResult) -> None:
         if result.status == "FINISHED" and loop.summary:
-            self._report(loop, {**self.last_eval, **loop.summary}, checkpoint=False)
+            # the last evaluation without the events of its round (a λ-path stage end), which the
+            # final report would otherwise announce a second time
+            events = tuple(p for cb in loop.callbacks for p in getattr(cb, "event_prefixes", ()))
+            last = {k: v for k, v in self.last_eval.items() if not (events and k.startswith(events))}
+            self._report(loop, {**last, **loop.summary}, checkpoint=False)

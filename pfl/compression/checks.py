@@ -1,5 +1,5 @@
 """Config checks that need both the method and the ``compression`` section (run by
-:func:`pfl.config.resolve`, before any data is loaded)."""
+:func:`pfl.resolver.resolve`, before any data is loaded)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,8 @@ def unbiased_names() -> list[str]:
     return ["none"] + [n for n, cls in COMPRESSORS.items() if cls.unbiased is True or n == "randk"]
 
 
-def check_method_compression(cfg) -> None:
-    from ..methods import get_method
-
-    method = get_method(cfg.method.name)
+def check_method_compression(cfg, method) -> None:
+    """``cfg.compression`` against the class of ``cfg.method`` (``method``)."""
     own = method.compresses_uplink
     if not own:
         return

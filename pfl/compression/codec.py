@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Callable, Mapping
 import torch
 
 from ..federation.messages import Encoded, Entry, Message, Payload
+from ..federation.wire import Phase, Stage
 from .compressors import Compressor, HalfPrecision, build
 
 if TYPE_CHECKING:
@@ -148,15 +149,21 @@ def _bits_of(comp: Compressor, d: int) -> int:
     return int(comp.compress(torch.zeros(d), torch.Generator().manual_seed(0)).bits)
 
 
-class Codec:
-    """The simulator's compression of training messages (``compression`` config section).
+class Codec(Stage):
+    """The simulator's compression of training messages (``compression`` config section): a wire
+    stage (:class:`pfl.federation.wire.Stage`) that acts on the ``train`` phase only, so evaluation
+    and join messages are never compressed.
 
-    Server side: :meth:`encode_down` (in delivery), :meth:`server_view`, :meth:`decode_up`; client
-    side: :meth:`decode_down`, :meth:`encode_up`. Evaluation messages are never compressed.
+    Server side: :meth:`encode_down`, :meth:`server_view`, :meth:`decode_up`; client side:
+    :meth:`decode_down`, :meth:`encode_up`.
     """
 
-    def __init__(self, cfg, ctx, method: "Method"):
+    key = "codec"
+
+    def __init__(self, cfg, ctx, method: "Method", client_role: "Method | None" = None):
         self.ctx = ctx
+        self.method = method
+        self.client_role = client_role if client_role is not None else method
         self.min_numel = int(cfg.min_numel)
         self.error_feedback = bool(cfg.error_feedback)
         self.up = None if method.compresses_uplink else build(cfg.uplink)
@@ -179,6 +186,32 @@ class Codec:
                 nz = targets[name] != 0
                 self._flushed[0] += int((nz & (e.decoded == 0)).sum())
                 self._flushed[1] += int(nz.sum())
+
+    # ---- the stage's hooks ----------------------------------------------------------------------
+    def send_down(self, phase: Phase, cid: int, msg: Message) -> Message:
+        return self.encode_down(msg, phase.rnd, cid) if phase.kind == "train" else msg
+
+    def receive_down(self, phase: Phase, client: "ClientHandle", msg: Message, notes: dict) -> Message:
+        if phase.kind != "train":
+            return msg
+        msg = self.decode_down(msg, client)
+        if self.up is not None:  # the client's own record of what it received: the update's reference
+            notes["received"] = {k: v.detach().clone() for k, v in msg.tensors().items()}
+        return msg
+
+    def send_up(self, phase: Phase, client: "ClientHandle", msg: Message, notes: dict) -> Message:
+        if phase.kind != "train":
+            return msg
+        return self.encode_up(msg, phase.rnd, client, notes.get("received"), self.client_role)
+
+    def sent(self, phase: Phase, cid: int, msg: Message) -> Params | None:
+        # what the client decoded, as the server knows it: the reference of the uplink's updates
+        return self.server_view(msg, cid) if phase.kind == "train" and self.up is not None else None
+
+    def receive_up(self, phase: Phase, cid: int, msg: Message, sent: Params | None) -> Message:
+        if phase.kind != "train" or self.up is None:
+            return msg
+        return self.decode_up(msg, phase.rnd, sent, self.method)
 
     # ---- downlink ------------------------------------------------------------------------------
     def encode_down(self, msg: Message, rnd: int, cid: int) -> Message:

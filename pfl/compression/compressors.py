@@ -42,7 +42,8 @@ from typing import Any, ClassVar
 import torch
 
 from ..federation.messages import Encoded
-from ..schema import ConfigError, from_dict, hp
+from ..registry import Registry
+from ..schema import ConfigError, from_dict, hp, to_dict
 
 FLOAT_BITS = 32
 
@@ -342,11 +343,11 @@ class Sign(Compressor):
 
 # ---- registry and config ---------------------------------------------------------------------
 
-COMPRESSORS: dict[str, type[Compressor]] = {
-    c.name: c for c in (Identity, HalfPrecision, BFloat16, PQuant, QSGD, TernGrad, Natural, RandK, TopK, Sign)
-}
+COMPRESSORS: Registry[type[Compressor]] = Registry("compressor", "compression.uplink.name", also=("none",))
+for _cls in (Identity, HalfPrecision, BFloat16, PQuant, QSGD, TernGrad, Natural, RandK, TopK, Sign):
+    COMPRESSORS.register(_cls.name, _cls)
 #: ``name`` values of ``compression.uplink`` / ``compression.downlink``
-NAMES = ("none", *COMPRESSORS)
+NAMES = ("none", *COMPRESSORS.names())
 
 
 def resolve_spec(raw: Any, path: str) -> dict:
@@ -364,20 +365,14 @@ def resolve_spec(raw: Any, path: str) -> dict:
     name = raw.pop("name", "none")
     if name is None:
         name = "none"
-    if name not in NAMES:
-        import difflib
-
-        close = difflib.get_close_matches(str(name), NAMES, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(f"{path}.name", f"unknown compressor {name!r}{hint}; allowed values: {', '.join(NAMES)}")
+    if name != "none" and name not in COMPRESSORS:
+        raise COMPRESSORS.unknown(name, f"{path}.name")
     if name == "none":
         if raw:
             raise ConfigError(f"{path}.{next(iter(raw))}", "name=none takes no parameters; allowed: name")
         return {"name": "none"}
     cls = COMPRESSORS[name]
     params = from_dict(cls.Params, raw, path)
-    from ..schema import to_dict
-
     return {"name": name, **to_dict(params)}
 
 

@@ -34,12 +34,15 @@ FORMAT_VERSION = 1
 SPLITS = ("train", "val", "test")
 
 
-def partition_key(cfg: DataConfig, seed: int) -> str:
-    """sha256 hex digest identifying the partition of ``cfg`` (resolved) under ``seed``."""
+def partition_key(cfg: DataConfig, seed: int, content: str | None = None) -> str:
+    """sha256 hex digest identifying the partition of ``cfg`` (resolved) under ``seed``;
+    ``content`` is a file source's hash of what its partitions are made from."""
     section = to_dict(cfg)
     section.pop("cache", None)
-    payload = json.dumps({"format": FORMAT_VERSION, "seed": int(seed), "data": section},
-                         sort_keys=True, default=str, separators=(",", ":"))
+    body = {"format": FORMAT_VERSION, "seed": int(seed), "data": section}
+    if content is not None:
+        body["content"] = content
+    payload = json.dumps(body, sort_keys=True, default=str, separators=(",", ":"))
     return hashlib.sha256(payload.encode()).hexdigest()
 
 

@@ -66,6 +66,7 @@ class FederatedData:
     true_clusters: np.ndarray | None  # (num_clients,) int, or None
     partition_hash: str               # the cache key
     partition_kind: str = ""
+    client_ids: list[str] | None = None  # a natural partition's own id of each client (file sources)
 
     @property
     def num_clients(self) -> int:
@@ -90,6 +91,8 @@ class FederatedData:
             "true_clusters": None if self.true_clusters is None else self.true_clusters.tolist(),
             "num_true_clusters": None if self.true_clusters is None else int(len(np.unique(self.true_clusters))),
         }
+        if self.client_ids is not None:
+            out["client_ids"] = list(self.client_ids)
         if self.task == "classification" and self.clients:
             counts = []
             for c in self.clients:
@@ -110,20 +113,31 @@ def resolve_data_config(cfg: DataConfig) -> None:
     """Validate ``cfg`` and complete it in place (``params`` with defaults, ``partition.kind``)."""
     spec = source_spec(cfg.source)
     params = spec.parse(cfg.params)
+    fix_paths = getattr(params, "make_paths_absolute", None)
+    if fix_paths is not None:  # file sources keep absolute paths: a Ray trial runs in another directory
+        fix_paths()
     cfg.params = params_dict(spec, params)
     part = cfg.partition
+    has_clients = spec.per_client or (spec.has_clients is not None and spec.has_clients(params))
     if part.kind == "auto":
-        part.kind = "natural" if spec.per_client else "dirichlet"
+        if spec.default_kind is not None:
+            part.kind = spec.default_kind(params)
+        else:
+            part.kind = "natural" if spec.per_client else "dirichlet"
     if spec.per_client and part.kind != "natural":
         raise ConfigError("data.partition.kind",
                           f"{part.kind!r} splits a sample pool, but {cfg.source} generates each client's data "
                           f"itself; allowed kinds for {cfg.source}: {_allowed_kinds(True)}")
-    if not spec.per_client and part.kind == "natural":
-        per_client = ", ".join(s.name for s in list_sources() if s.per_client)
+    if not has_clients and part.kind == "natural":
+        if spec.has_clients is not None:
+            raise ConfigError("data.partition.kind",
+                              f"'natural' needs client ids, and the data has none (data.params.client_column names "
+                              f"the column of client ids); allowed kinds for it: {_allowed_kinds(False)}")
+        per_client = ", ".join(s.name for s in list_sources() if s.per_client or s.has_clients is not None)
         raise ConfigError("data.partition.kind",
                           f"'natural' needs a source with its own devices ({per_client}); allowed kinds for "
                           f"{cfg.source}: {_allowed_kinds(False)}")
-    _, num_classes = spec.shape(params)
+    shape, num_classes = spec.shape(params)
     if spec.per_client:
         k = getattr(params, "num_clusters", None)
         if k is not None and k > cfg.num_clients:
@@ -132,9 +146,11 @@ def resolve_data_config(cfg: DataConfig) -> None:
         if cfg.max_samples is not None:
             raise ConfigError("data.max_samples", f"{cfg.source} generates its data; shrink it with "
                                                   f"data.params.size_scale instead (set data.max_samples: null)")
-    else:
-        _check_pooled_kind(cfg, spec.image, num_classes)
+    elif part.kind != "natural":
+        _check_pooled_kind(cfg, spec.image or len(shape) == 3, num_classes)
     spec.check(params)
+    if spec.check_config is not None:
+        spec.check_config(cfg)
 
 
 def _check_pooled_kind(cfg: DataConfig, image: bool, num_classes: int) -> None:
@@ -168,11 +184,12 @@ def _check_pooled_kind(cfg: DataConfig, image: bool, num_classes: int) -> None:
                           f"{cfg.num_clients * part.min_samples}")
 
 
-def _client(src: SourceData, part: Partition, i: int, kind: str, num_clusters: int) -> ClientData:
+def _client(src: SourceData, part: Partition, i: int, kind: str, num_clusters: int,
+            features: dict[str, torch.Tensor]) -> ClientData:
     tensors = {}
     for split in ("train", "val", "test"):
         idx = getattr(part, split)[i]
-        x = torch.from_numpy(src.featurize(src.x[idx]))
+        x = features[split]
         y = src.y[idx]
         t = -1 if part.transforms is None else int(part.transforms[i])
         if t >= 0 and kind == "label_swap":
@@ -188,31 +205,50 @@ def _client(src: SourceData, part: Partition, i: int, kind: str, num_clusters: i
     return ClientData(cluster=cluster, **tensors)
 
 
+SPLITS = ("train", "val", "test")
+
+
+def _client_features(src: SourceData, part: Partition):
+    """Every client's feature tensors, client by client. A source that reads its features on
+    demand reads them once, in client order, and each client's splits are views of that array."""
+    if src.read_rows is None:
+        for i in range(part.num_clients):
+            yield {s: torch.from_numpy(src.featurize(src.x[getattr(part, s)[i]])) for s in SPLITS}
+        return
+    pieces = [getattr(part, s)[i] for i in range(part.num_clients) for s in SPLITS]
+    every = torch.from_numpy(src.read_rows(np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)))
+    ends = np.cumsum([len(p) for p in pieces])
+    for i in range(part.num_clients):
+        yield {s: every[ends[3 * i + j] - len(pieces[3 * i + j]):ends[3 * i + j]] for j, s in enumerate(SPLITS)}
+
+
 def load_federated(cfg: DataConfig, seed: int, device: str | torch.device = "cpu") -> FederatedData:
     """The federation described by ``cfg`` under experiment ``seed``, with tensors on ``device``."""
     resolve_data_config(cfg)
     spec = source_spec(cfg.source)
     start = time.perf_counter()
     src = spec.load(cfg.params, cfg.num_clients)
-    key = partition_key(cfg, seed)
+    key = partition_key(cfg, seed, src.fingerprint)
     part = None
     path = cache_path(key)
     if cfg.cache:
         part = load_partition(path, len(src.y), cfg.num_clients)
         if part is not None:
             log.debug("partition %s read from %s", key[:12], path)
-    if part is None:
+    fresh = part is None
+    if fresh:
         part = make_partition(cfg, src, seed)
-        if cfg.cache:
-            try:
-                save_partition(path, part, len(src.y), cfg, seed)
-            except OSError as err:  # a read-only cache directory must not stop the run
-                log.warning("could not write partition cache %s: %s", path, err)
-    clients = [_client(src, part, i, cfg.partition.kind, cfg.partition.num_clusters).to(device)
-               for i in range(part.num_clients)]
+    clients = [_client(src, part, i, cfg.partition.kind, cfg.partition.num_clusters, features).to(device)
+               for i, features in enumerate(_client_features(src, part))]
+    if fresh and cfg.cache:  # only a federation that could be built is cached
+        try:
+            save_partition(path, part, len(src.y), cfg, seed)
+        except OSError as err:  # a read-only cache directory must not stop the run
+            log.warning("could not write partition cache %s: %s", path, err)
+    natural = cfg.partition.kind == "natural"
     data = FederatedData(clients=clients, num_classes=src.num_classes, input_shape=tuple(src.input_shape),
                          task=src.task, source=cfg.source, true_clusters=part.clusters, partition_hash=key,
-                         partition_kind=cfg.partition.kind)
+                         partition_kind=cfg.partition.kind, client_ids=src.client_ids if natural else None)
     log.info("data %s/%s: %d clients, %d training samples (%.2fs)", cfg.source, cfg.partition.kind,
              len(clients), sum(c.n_train for c in clients), time.perf_counter() - start)
     return data

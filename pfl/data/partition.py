@@ -17,7 +17,8 @@ Kinds (``data.partition.kind``):
   contiguous client groups (client i in group ⌊i·K/m⌋) whose labels are swapped / shifted or whose
   images are rotated per group
   (see :mod:`pfl.data.transforms`);
-* ``natural``: the per-client source's own devices.
+* ``natural``: the per-client source's own devices (a file's client ids; LEAF's own test split
+  is kept, validation then comes from each client's LEAF training samples).
 
 Power-law sizes: client weights are Pareto distributed with tail exponent ``power``
 (P(W > w) = w^(−power), w ≥ 1); every client first gets ``min_samples`` and the rest of the pool is
@@ -331,9 +332,11 @@ def make_partition(cfg: DataConfig, src: SourceData, seed: int) -> Partition:
     """The partition of ``src`` described by ``cfg`` (already resolved) for experiment ``seed``."""
     labels = src.y if src.task == "classification" else None
     clusters = transforms = None
-    if src.devices is not None:
+    fixed_test = None
+    if src.devices is not None and cfg.partition.kind == "natural":
         groups = src.devices
-        clusters = np.asarray(src.clusters, dtype=np.int64)
+        clusters = None if src.clusters is None else np.asarray(src.clusters, dtype=np.int64)
+        fixed_test = src.test_rows
     else:
         pool = np.arange(len(src.y))
         if cfg.max_samples is not None and cfg.max_samples < len(pool):
@@ -347,9 +350,14 @@ def make_partition(cfg: DataConfig, src: SourceData, seed: int) -> Partition:
     train, val, test = [], [], []
     for idx in groups:
         idx = np.asarray(idx, dtype=np.int64)
+        if fixed_test is not None:  # the data's own test split (LEAF) is kept; validation from the rest
+            test.append(idx[fixed_test[idx]])
+            idx = idx[~fixed_test[idx]]
         tr, va, te = stratified_split(None if labels is None else labels[idx], len(idx),
-                                      cfg.test_fraction, cfg.val_fraction, split_rng)
+                                      0.0 if fixed_test is not None else cfg.test_fraction, cfg.val_fraction,
+                                      split_rng)
         train.append(idx[tr])
         val.append(idx[va])
-        test.append(idx[te])
+        if fixed_test is None:
+            test.append(idx[te])
     return Partition(train, val, test, clusters, transforms)

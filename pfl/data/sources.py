@@ -17,7 +17,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..schema import ConfigError, from_dict, hp
+from ..registry import Registry
+from ..schema import from_dict, hp
 from . import images
 from .synthetic import FPFCLinearParams, FPFCSyntheticParams, generate_fpfc_linear, generate_fpfc_synthetic
 
@@ -27,7 +28,7 @@ CLASSIFICATION, REGRESSION = "classification", "regression"
 @dataclass
 class SourceData:
     """What a loader returns: the sample pool and how to turn stored samples into model inputs."""
-    x: np.ndarray                                  # (N, ...) stored form (uint8 images, float features)
+    x: np.ndarray | None                           # (N, ...) stored form (uint8 images, float features)
     y: np.ndarray                                  # (N,) int64 labels or float32 targets
     input_shape: tuple[int, ...]                   # per-sample shape after featurize
     num_classes: int                               # 0 for regression
@@ -37,6 +38,17 @@ class SourceData:
     devices: list[np.ndarray] | None = None        # per-client sources: each device's rows
     clusters: np.ndarray | None = None             # per-client sources: true cluster per device
     class_names: list[str] | None = None
+    # file sources (pfl.data.files): features read on demand, in a given row order, already featurized
+    read_rows: Callable[[np.ndarray], np.ndarray] | None = None
+    client_ids: list[str] | None = None            # the data's own id of each device
+    test_rows: np.ndarray | None = None            # (N,) bool: the data's own test split (LEAF)
+    fingerprint: str | None = None                 # hash of what a partition is made from (cache key)
+
+    def rows(self, idx: np.ndarray) -> np.ndarray:
+        """Featurized samples ``idx`` (distinct), float32 of ``input_shape``."""
+        if self.read_rows is not None:
+            return self.read_rows(np.asarray(idx, dtype=np.int64))
+        return self.featurize(self.x[idx])
 
 
 @dataclass(frozen=True)
@@ -52,6 +64,11 @@ class SourceSpec:
     shape_fn: Callable[[Any], tuple[tuple[int, ...], int]]
     load_fn: Callable[[Any, int], SourceData]
     check_fn: Callable[[Any], None] | None = None
+    # sources whose data may or may not carry its own clients (files, hf): the 'auto' partition
+    # kind, whether 'natural' applies, and checks of the whole data section (client counts)
+    default_kind: Callable[[Any], str] | None = None
+    has_clients: Callable[[Any], bool] | None = None
+    check_config: Callable[[Any], None] | None = None
 
     def parse(self, params: Any = None) -> Any:
         """The params dataclass from a dict (validated) or an instance."""
@@ -72,33 +89,23 @@ class SourceSpec:
         return self.load_fn(self.parse(params), num_clients)
 
 
-_REGISTRY: dict[str, SourceSpec] = {}
+SOURCES: Registry[SourceSpec] = Registry("data source", "data.source")
 
 
 def register_source(spec: SourceSpec) -> SourceSpec:
-    if spec.name in _REGISTRY:
-        raise ValueError(f"data source {spec.name!r} is already registered")
-    _REGISTRY[spec.name] = spec
-    return spec
+    return SOURCES.register(spec.name, spec)
 
 
 def source_names() -> list[str]:
-    return list(_REGISTRY)
+    return SOURCES.names()
 
 
 def list_sources() -> list[SourceSpec]:
-    return list(_REGISTRY.values())
+    return SOURCES.values()
 
 
 def source_spec(name: str) -> SourceSpec:
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        import difflib
-        close = difflib.get_close_matches(str(name), list(_REGISTRY), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError("data.source", f"unknown data source {name!r}{hint}; allowed: "
-                                         f"{', '.join(_REGISTRY)}") from None
+    return SOURCES.get(name)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,16 +27,16 @@ client may send any basis: the attack rewrites it like a model). A method whose 
 model content at all (PerFed-CKT: public-set logits) declares ``attackable_uplink = False`` and a
 config that attacks it is refused (``attack.kind``). Structured payloads (an ``Encoded`` compressed
 vector, a ``LowRank`` factor pair) are not rewritten: attacks do not combine with uplink
-compression — :func:`pfl.config.resolve` refuses ``compression.uplink`` and the methods that encode
+compression — :func:`pfl.resolver.resolve` refuses ``compression.uplink`` and the methods that encode
 their own uplink (``compresses_uplink``: DIANA, MARINA, LAG) before any training, and meeting such a
 payload anyway raises a ConfigError naming ``attack.kind``. (Supporting them would mean attacking
-before the client's encoding, in ``Simulator.client_step``: an attacker that sends a well-formed
-compressed message; not done.)
+before the client's encoding, as a client-side wire stage ahead of the codec: an attacker that
+sends a well-formed compressed message; not done.)
 
 Cohorts: the sequential and the vectorized path (``federation.cohort``) both deliver every client's
-upload separately through :meth:`Simulator.deliver`, so the attack needs no fallback — the attacked
-uploads are the same seeded draws and the benign ones agree up to float rounding (tested). The
-newcomers' join phase always runs its clients one after another.
+upload separately on the wire (:meth:`pfl.federation.wire.Wire.deliver`), so the attack needs no
+fallback — the attacked uploads are the same seeded draws and the benign ones agree up to float
+rounding (tested).
 
 ``attack.scope: head`` rewrites only the tensors of the model's head (its last layer, by
 :func:`pfl.models.layer_groups`; an entry ``prefix/name`` counts by its ``name``): the FPFC paper
@@ -57,6 +57,7 @@ import numpy as np
 import torch
 
 from ..config import round_share
+from ..models import layer_groups
 from ..schema import ConfigError
 from .context import derive_seed
 from .messages import Message
@@ -144,8 +145,6 @@ def _attack_transforms(cfg: "ExperimentConfig", ctx: "RunContext") -> list:
         return []
     head = None
     if cfg.attack.scope == "head":
-        from ..models import layer_groups
-
         head = list(layer_groups(ctx.model).head)
     return [Attack(cfg, ctx.num_clients, head)]
 

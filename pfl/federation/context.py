@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from ..models.functional import init_params
+
 if TYPE_CHECKING:
     from ..config import ExperimentConfig
     from ..data import FederatedData
@@ -103,7 +105,5 @@ class RunContext:
 
         Every party can regenerate them from the run seed, so sending them costs nothing.
         """
-        from ..models.functional import init_params
-
         params = init_params(model or self.model, self.generator("init", *parts))
         return {k: v.to(self.device) for k, v in params.items()}

@@ -3,15 +3,17 @@
 ``RoundLoop(sim, callbacks).run(until)`` runs rounds until ``until`` (default:
 ``federation.rounds``) or until a callback raises :class:`StopTraining` (diverged: ``FAILED``; a
 pipeline's schedule is done: ``FINISHED``). When the round budget is reached, the newcomers (if the
-config holds some) join (:meth:`Simulator.join_newcomers`) and their ``newcomer/*`` metrics go into
-``summary``. Every path through ``pfl run``, the Ray Tune
-trainables (the FPFC λ path included) and the comparison pipelines is this loop with a different
-list of callbacks. Callbacks are called in list order; a callback that adds to the round's metrics
-(the λ path's stage records) comes before those that log them.
+config holds some) join (:func:`pfl.federation.newcomers.join_newcomers`) and their ``newcomer/*``
+metrics go into ``summary``. The simulator never builds a loop: whoever runs it does
+(:func:`pfl.callbacks.divergence.run_rounds` is the loop with only the divergence check). Every
+path through ``pfl run``, the Ray Tune trainables (the FPFC λ path included) and the comparison
+pipelines is this loop with a different list of callbacks. Callbacks are called in list order; a
+callback that adds to the round's metrics (the λ path's stage records) comes before those that log
+them.
 
 A checkpoint is the simulator's state plus the state of every callback with a ``key``
-(:meth:`RoundLoop.save` / :meth:`RoundLoop.load`), so a pipeline that steers the run resumes
-exactly where it was.
+(:meth:`RoundLoop.save` / :meth:`RoundLoop.load`, files by :mod:`pfl.federation.checkpoint`), so a
+pipeline that steers the run resumes exactly where it was.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Sequence
+
+from .checkpoint import load_checkpoint, save_checkpoint
+from .newcomers import join_newcomers
 
 if TYPE_CHECKING:
     from .simulator import Simulator
@@ -85,10 +90,10 @@ class RoundLoop:
         return {cb.key: cb.state_dict() for cb in self.callbacks if cb.key}
 
     def save(self, path: str | Path) -> Path:
-        return self.sim.save(path, extra={"callbacks": self.callback_states()})
+        return save_checkpoint(self.sim, path, extra={"callbacks": self.callback_states()})
 
     def load(self, path: str | Path) -> None:
-        extra = self.sim.load(path)
+        extra = load_checkpoint(self.sim, path)
         states = extra.get("callbacks", {})
         for cb in self.callbacks:
             if cb.key and cb.key in states:
@@ -120,7 +125,7 @@ class RoundLoop:
                 if stop is not None:
                     raise stop
             if sim.round >= sim.cfg.federation.rounds:  # training done: newcomers join (if any)
-                self.summary.update(sim.join_newcomers())
+                self.summary.update(join_newcomers(sim))
             result = LoopResult("FINISHED")
         except StopTraining as stop:
             result = LoopResult(stop.status, stop.reason)
@@ -142,15 +147,6 @@ class RoundLoop:
                 if result.status == "FINISHED" and result.clean:
                     raise
                 log.exception("callback %s failed while the run was ending (%s)", type(cb).__name__, result.status)
-
-
-def __getattr__(name: str):
-    # the divergence check lives with the other callbacks; the simulator's run() uses it
-    if name == "StopOnDivergence":
-        from ..callbacks.divergence import StopOnDivergence
-
-        return StopOnDivergence
-    raise AttributeError(name)
 
 
 __all__ = ["Callback", "LoopResult", "RoundLoop", "StopTraining"]

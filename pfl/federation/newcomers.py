@@ -16,10 +16,11 @@ method's rule, through the method's join hooks (:mod:`pfl.methods.base`):
         join_aggregate(rnd, step, replies)                      server
 
 with ``rnd`` = the round after the last training round + ``step`` (it seeds the generators and sets
-the learning rate, which continues its schedule). Every message is delivered through the simulator,
-so it is copied, transformed (an attacker's join uploads are attacked too) and counted, booked apart
-from training as ``comm/join_up_bytes`` / ``comm/join_down_bytes``; ``compression.*`` acts on training
-traffic only, so join messages travel dense. Then every client is evaluated
+the learning rate, which continues its schedule). Each join step is one exchange
+(:mod:`pfl.federation.exchange`, phase ``join``): every message is copied, transformed (an
+attacker's join uploads are attacked too) and counted, booked apart from training as
+``comm/join_up_bytes`` / ``comm/join_down_bytes``; ``compression.*`` acts on training traffic only,
+so join messages travel dense. Then every client is evaluated
 once more (the newcomers with their method's evaluation message) and the metrics are:
 
 * ``newcomer/acc_mean``, ``newcomer/acc_std`` (``newcomer/rmse_mean`` for regression) — the
@@ -39,20 +40,17 @@ exactly as the uninterrupted run did.
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..config import round_share
+from ..clusters import cluster_metrics
+from ..config import ExperimentConfig, round_share
 from ..evaluation import summarize
 from .context import derive_seed
-
-if TYPE_CHECKING:
-    from ..config import ExperimentConfig
-    from .simulator import Simulator
+from .wire import Phase
 
 
-def newcomer_clients(cfg: "ExperimentConfig", num_clients: int) -> tuple[int, ...]:
+def newcomer_clients(cfg: ExperimentConfig, num_clients: int) -> tuple[int, ...]:
     """The run's newcomers (sorted ids; empty when ``newcomers.fraction`` is 0), drawn once from its seed."""
     count = round_share(num_clients, cfg.newcomers.fraction)
     if count == 0:
@@ -74,8 +72,9 @@ def in_true_cluster(assignment: dict[int, int], true: np.ndarray, members: list[
     return float(np.mean(hits)) if hits else float("nan")
 
 
-def join_newcomers(sim: "Simulator") -> dict[str, float]:
-    """Let the newcomers join (see the module docstring); their metrics. Runs once per lineage."""
+def join_newcomers(sim) -> dict[str, float]:
+    """Let the newcomers join the run of ``sim`` (a :class:`~pfl.federation.simulator.Simulator`;
+    see the module docstring); their metrics. Runs once per lineage."""
     newcomers = list(sim.ctx.newcomers)
     if not newcomers:
         return {}
@@ -90,15 +89,10 @@ def join_newcomers(sim: "Simulator") -> dict[str, float]:
         if not active:
             break
         rnd = start + step
-        replies = {}
-        for cid in active:
-            down = sim.deliver(method.join_message(rnd, step, cid), "join_down", rnd, cid)
-            with sim._as_client(cid) as client:
-                reply = client_role.join_update(rnd, step, client, down)
-            reply = sim.deliver(reply, "join_up", rnd, cid)
-            if reply is not None:
-                replies[cid] = reply
-        method.join_aggregate(rnd, step, replies)
+        arrivals = sim.exchange(Phase("join", rnd, step), active,
+                                lambda cid: method.join_message(rnd, step, cid),
+                                lambda client, msg: (client_role.join_update(rnd, step, client, msg), None))
+        method.join_aggregate(rnd, step, {cid: a.reply for cid, a in arrivals.items() if a.reply is not None})
         steps += 1
     sim.newcomers_joined = True
     sim.evaluate(final=True)  # every client now; the table keeps a newcomer column
@@ -110,8 +104,6 @@ def join_newcomers(sim: "Simulator") -> dict[str, float]:
     assignment = method.cluster_assignment()
     true = sim.ctx.meta.true_clusters
     if assignment is not None:
-        from ..evaluation import cluster_metrics
-
         present = sorted(assignment)
         found = cluster_metrics([assignment[c] for c in present], None if true is None else true[present])
         out["newcomer/clusters"] = found["cluster/num"]

@@ -39,8 +39,9 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import torch
 
+from ..federation.cohort import DIRECT, Compute
 from ..federation.messages import Message
-from ..training import EvalResult, Params, TrainResult, evaluate, local_sgd
+from ..training import EvalCall, EvalResult, Params, TrainCall, TrainResult
 
 if TYPE_CHECKING:
     from ..data import ClientData
@@ -56,18 +57,18 @@ class NoHparams:
 
 
 class ClientHandle:
-    """One client as its own step sees it: id, own data, own persistent state, own model object."""
+    """One client as its own step sees it: id, own data, own persistent state, own model object, and
+    the compute object its training and evaluation requests go to (:mod:`pfl.federation.cohort`:
+    computed at once, or batched with the other clients of a vectorized cohort)."""
 
-    def __init__(self, cid: int, data: "ClientData", state: dict, ctx: "RunContext", model: torch.nn.Module):
+    def __init__(self, cid: int, data: "ClientData", state: dict, ctx: "RunContext", model: torch.nn.Module,
+                 compute: Compute = DIRECT):
         self.cid = cid
         self.data = data
         self.state = state
         self.ctx = ctx
         self.model = model
-        # where training and evaluation requests go: computed here, or by a cohort that runs many
-        # clients' requests as one batched computation (pfl.federation.cohort)
-        self.run_training: Callable[..., TrainResult] = local_sgd
-        self.run_evaluation: Callable[..., EvalResult] = evaluate
+        self.compute = compute
 
     @property
     def n_train(self) -> int:
@@ -90,13 +91,13 @@ class ClientHandle:
             task=self.ctx.meta.task, generator=self.generator(rnd, tag),
         )
         kwargs.update(overrides)
-        return self.run_training(self.model, params, self.data.x_train if x is None else x,
-                                 self.data.y_train if y is None else y, **kwargs)
+        return self.compute.train(TrainCall(self.model, params, self.data.x_train if x is None else x,
+                                            self.data.y_train if y is None else y, kwargs))
 
     def evaluate(self, params: Params, x: torch.Tensor, y: torch.Tensor,
                  forward: Callable[[Params, torch.Tensor], torch.Tensor] | None = None) -> EvalResult:
         """Mean loss and accuracy of ``params`` on (x, y) of this client (the one evaluation routine)."""
-        return self.run_evaluation(self.model, params, x, y, self.ctx.meta.task, forward=forward)
+        return self.compute.evaluate(EvalCall(self.model, params, x, y, self.ctx.meta.task, forward))
 
 
 @dataclass
@@ -133,6 +134,10 @@ class Method:
     #: "unbiased" / "any" — the method compresses inside its own protocol (DIANA, MARINA, LAG) with
     #: the compressor ``compression.uplink`` names, which must be unbiased / may be any
     compresses_uplink: ClassVar[str] = ""
+    #: dotted config values with which a few-round run on a small config reaches this method's
+    #: stateful paths (warm-up over, clusters split, every client sampled where it needs all): what
+    #: the tests' every-method runs use (tests/helpers.py), declared here next to ``Hparams``
+    quick: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, hparams: Any, ctx: "RunContext"):
         self.hp = hparams

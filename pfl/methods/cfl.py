@@ -49,7 +49,7 @@ import torch
 from ..aggregation import weighted_average
 from ..federation.messages import Message
 from ..models.functional import flatten_params, unflatten_params
-from ..evaluation import assignment_metrics, write_assignment_table
+from ..clusters import assignment_metrics, write_assignment_table
 from ..schema import hp
 from ..training import Params
 from . import register
@@ -124,6 +124,7 @@ def split_with_centres(members: list[int], participants: list[int], updates: tor
 class CFL(Method):
     name = "cfl"
     Hparams = CFLHparams
+    quick = {"method.start_round": 1, "method.eps1": 100.0, "method.eps2": 0.0}
     description = "Clustered FL by recursive bipartitioning on update similarity (Sattler et al. 2020)"
     metric_names = ("cluster/num", "cluster/ari", "cfl/mean_norm", "cfl/max_norm")
 

@@ -189,6 +189,7 @@ class Adiana(Method):
     name = "adiana"
     metric_names = ("adiana/alpha", "adiana/prob", "adiana/omega")
     Hparams = AdianaHparams
+    quick = {"federation.clients_per_round": 0}
     description = ("ADIANA: accelerated DIANA, one gradient iteration per round, two compressed uploads "
                    "(Li et al. 2020); global model y; every client every round")
     compresses_uplink = "unbiased"

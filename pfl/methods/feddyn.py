@@ -47,6 +47,7 @@ class FedDynHparams:
 class FedDyn(FedAvg):
     name = "feddyn"
     Hparams = FedDynHparams
+    quick = {"method.max_grad_norm": 5.0}
     description = "FedDyn: dynamic regularisation (Acar et al. 2021)"
 
     def setup(self) -> None:

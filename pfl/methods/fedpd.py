@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from ..aggregation import weighted_average, zeros_like
 from ..federation.messages import Message
 from ..schema import hp
-from ..training import Params
+from ..training import Params, ProxPull, Shift, Terms
 from . import register
 from .base import GLOBAL, ClientHandle, EvalPlan, Method
 from .compressed import require_full_participation
@@ -58,6 +58,7 @@ class FedPD(Method):
     name = "fedpd"
     metric_names = ("fedpd/comm_rounds", "fedpd/local_acc")
     Hparams = FedPDHparams
+    quick = {"federation.clients_per_round": 0}
     description = ("FedPD: primal–dual local updates, communication skipped with probability p "
                    "(Zhang et al. 2021); global model x_0 (local x_i as fedpd/local_acc); every client every round")
 
@@ -89,10 +90,8 @@ class FedPD(Method):
             st["x0"] = msg.tensors()
         x0, lam, eta = st["x0"], st["lam"], self.hp.eta
 
-        def lagrangian(grads: Params, params: Params) -> Params:
-            return {k: g + lam[k] + (params[k] - x0[k]) / eta for k, g in grads.items()}
-
-        result = client.train(st["x"], rnd, grad_hook=lagrangian)
+        # ∇ of the augmented Lagrangian's terms: λ + (x − x0)/η, as terms a batched cohort can stack
+        result = client.train(st["x"], rnd, grad_hook=Terms([Shift(lam), ProxPull(x0, eta)]))
         st["x"] = result.params
         st["lam"], x0_plus = fedpd_dual(result.params, x0, lam, eta)
         st["x0"] = x0_plus  # a skipped round keeps it; a communicating one replaces it next round

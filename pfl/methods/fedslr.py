@@ -98,6 +98,7 @@ class FedSLRHparams:
 class FedSLR(Method):
     name = "fedslr"
     Hparams = FedSLRHparams
+    quick = {"method.lam": 1e-2}
     description = "Low-rank global model (server SVT) + sparse personal part (Huang et al. 2023)"
     metric_names = ("model/rank_mean", "model/rank_kept_ratio", "model/rank/*", "model/params",
                     "model/mixed_params", "model/sparsity")

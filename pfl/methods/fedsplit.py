@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from ..aggregation import weighted_average
 from ..federation.messages import Message
 from ..schema import hp
-from ..training import Params
+from ..training import Params, ProxPull
 from . import register
 from .base import ClientHandle, Method
 from .compressed import full_participation
@@ -36,12 +36,9 @@ class FedSplitHparams:
                   low=0.0, low_open=True)
 
 
-def prox_pull(v: Params, s: float):
+def prox_pull(v: Params, s: float) -> ProxPull:
     """The ``grad_hook`` of the local proximal problem: adds (u − v)/s, the gradient of ‖u − v‖²/(2s)."""
-    def hook(grads: Params, params: Params) -> Params:
-        return {k: g + (params[k] - v[k]) / s for k, g in grads.items()}
-
-    return hook
+    return ProxPull(v, s)
 
 
 def fedsplit_reflect(z: Params, xbar: Params, prox) -> Params:

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from ..aggregation import weighted_average
-from ..evaluation import assignment_metrics, write_assignment_table
+from ..clusters import assignment_metrics, write_assignment_table
 from ..federation.messages import Message
 from ..schema import hp
 from ..training import Params
@@ -75,6 +75,7 @@ def _unpack(entries: dict[str, torch.Tensor], k: int) -> list[Params]:
 class IFCA(Method):
     name = "ifca"
     Hparams = IFCAHparams
+    quick = {"method.k": 2}
     description = "Iterative federated clustering: K models, clients pick by lowest loss (Ghosh et al. 2020)"
     metric_names = ("cluster/num", "cluster/ari")
 

@@ -54,6 +54,7 @@ class Marina(Method):
     name = "marina"
     metric_names = ("marina/p", "marina/omega", "marina/gamma", "marina/full_rounds")
     Hparams = MarinaHparams
+    quick = {"federation.clients_per_round": 0}
     description = ("MARINA: a shared coin between full gradients and compressed gradient differences "
                    "(Gorbunov et al. 2021); global model; every client every round; unbiased compression.uplink")
     compresses_uplink = "unbiased"

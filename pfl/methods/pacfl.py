@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 from ..aggregation import weighted_average
-from ..evaluation import assignment_metrics, relabel, write_assignment_table
+from ..clusters import assignment_metrics, relabel, write_assignment_table
 from ..federation.messages import Message
 from ..schema import hp
 from ..training import Params

@@ -137,6 +137,7 @@ class LGFedAvgHparams(FedAvgHparams):
 class LGFedAvg(FineTuneNewcomers, PartialSharing):
     name = "lgfedavg"
     Hparams = LGFedAvgHparams
+    quick = {"method.warmup_rounds": 1}
     description = "LG-FedAvg: local representations, global head (Liang et al. 2020)"
 
     def shared_names(self) -> list[str]:

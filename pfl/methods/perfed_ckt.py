@@ -190,6 +190,8 @@ def _feature_space(z: torch.Tensor, space: str, temperature: float) -> torch.Ten
 class PerFedCKT(Method):
     name = "perfed_ckt"
     Hparams = PerFedCKTHparams
+    quick = {"method.architectures": [{"name": "mlp", "params": {"hidden": [16]}}, "cnn_fpfc"],
+             "method.public_size": 40}
     description = "Clustered knowledge transfer on public-set logits, heterogeneous models (Cho et al. 2021)"
     # its uplink is public-set logits, not a model: the model-replacing attacks are not defined for it
     attackable_uplink = False
@@ -352,7 +354,7 @@ class PerFedCKT(Method):
     def extra_metrics(self, rnd: int, final: bool = False) -> dict[str, float]:
         from sklearn.metrics import adjusted_rand_score
 
-        from ..evaluation import cluster_metrics
+        from ..clusters import cluster_metrics
 
         out = {"ckt/public_rows": float(self.n_rows), "ckt/public_overlap": float(self.public.overlap),
                "ckt/stored": float(int(self.known.sum()))}

@@ -120,7 +120,7 @@ def build_public_set(ctx: "RunContext", source: str, size: int) -> PublicSet:
     if n < size and not same:
         log.warning("public set: %s has only %d samples; using %d instead of %d", name, len(pool), n, size)
     rows = np.sort(ctx.rng("public_set").choice(pool, size=n, replace=False))
-    x = torch.from_numpy(src.featurize(src.x[rows]))
+    x = torch.from_numpy(src.rows(rows))
     if tuple(x.shape[1:]) != tuple(ctx.meta.input_shape):
         raise ConfigError(FIELD, f"public source {name!r} has samples of shape {tuple(x.shape[1:])}, the task "
                                  f"{data_cfg.source!r} needs {tuple(ctx.meta.input_shape)}")

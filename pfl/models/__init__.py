@@ -1,5 +1,7 @@
 """The model zoo: a registry of named models, their parameter dataclasses, and their layer groups.
 
+Your own model (``model.name: path/to/file.py:Class``) is built and checked by :mod:`.custom`.
+
 Conventions every model follows (the engine relies on them):
 
 - a plain ``nn.Module`` with no buffers (GroupNorm, never BatchNorm), so a client's whole state is
@@ -17,15 +19,15 @@ accept a flat (d,) with d a perfect square (read as 1×√d×√d).
 
 from __future__ import annotations
 
-import difflib
-from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from torch import nn
 
+from ..registry import Registry
 from ..schema import ConfigError, describe, from_dict, to_dict
 from .functional import flatten_params, init_params, num_params, params_of, unflatten_params
 from .groups import LayerGroups, layer_groups
+from .spec import ModelSpec
 from .resnet import ResNet18GNParams, build_resnet18_gn
 from .vgg import VGGParams, build_vgg11, build_vgg13
 from .zoo import (CNNFedAvgParams, CNNFPFCParams, LinearRegressionParams, MLPParams,
@@ -33,31 +35,14 @@ from .zoo import (CNNFedAvgParams, CNNFPFCParams, LinearRegressionParams, MLPPar
                   build_mlp, build_softmax_regression)
 
 
-@dataclass(frozen=True)
-class ModelSpec:
-    """A registered model: its name, a one-line description, its params dataclass and its builder.
-
-    ``build(params, input_shape, num_classes)`` receives a validated instance of ``params``.
-    ``inputs`` says which sample shapes it accepts (for the CLI listing).
-    """
-    name: str
-    description: str
-    params: type
-    build: Callable[[Any, tuple[int, ...], int], nn.Module]
-    inputs: str
-
-
 _VECTOR = "any shape (flattened to d features)"
 _IMAGE = "images (C, H, W), or flat (d,) with d a perfect square"
 
-_REGISTRY: dict[str, ModelSpec] = {}
+MODELS: Registry[ModelSpec] = Registry("model", "model.name")
 
 
 def register(spec: ModelSpec) -> ModelSpec:
-    if spec.name in _REGISTRY:
-        raise ValueError(f"model {spec.name!r} is already registered")
-    _REGISTRY[spec.name] = spec
-    return spec
+    return MODELS.register(spec.name, spec)
 
 
 for _spec in (
@@ -96,18 +81,16 @@ _FALLBACK_DEFAULTS = {
 
 def list_models() -> list[ModelSpec]:
     """Every registered model, in registration order."""
-    return list(_REGISTRY.values())
+    return MODELS.values()
 
 
 def model_spec(name: str) -> ModelSpec:
     """The spec of model ``name``, or a ConfigError on ``model.name`` listing the allowed names."""
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        close = difflib.get_close_matches(str(name), list(_REGISTRY), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError("model.name", f"unknown model {name!r}{hint}; allowed: "
-                                        f"{', '.join(_REGISTRY)}") from None
+    from .custom import is_custom, model_spec_for
+
+    if is_custom(name):  # your own model: 'file.py:Class' or 'module:factory' (pfl/models/custom.py)
+        return model_spec_for(name)
+    return MODELS.get(name)
 
 
 def _params_instance(spec: ModelSpec, params: Any) -> Any:
@@ -147,7 +130,7 @@ def default_model(source: str) -> str:
     name = getattr(source_spec(source), "default_model", None) if source_spec else _FALLBACK_DEFAULTS.get(source)
     if not name:
         raise ConfigError("model.name", f"'auto' has no default model for data source {source!r}; "
-                                        f"set one of: {', '.join(_REGISTRY)}")
+                                        f"set one of: {', '.join(MODELS.names())}")
     return name
 
 
@@ -157,10 +140,28 @@ def resolve_model_config(cfg: Any) -> None:
     ``auto`` becomes the data source's default model; the name is checked against the registry and
     ``cfg.model.params`` is replaced by the complete, validated parameter dict (defaults filled in).
     """
+    from .custom import is_custom, resolve_head
+
     if cfg.model.name == "auto":
         cfg.model.name = default_model(cfg.data.source)
+    if is_custom(cfg.model.name):
+        cfg.model.name = _absolute_model_file(cfg.model.name)
     spec = model_spec(cfg.model.name)
     cfg.model.params = to_dict(_params_instance(spec, cfg.model.params))
+    if is_custom(cfg.model.name):
+        from ..data import source_spec
+
+        shape, num_classes = source_spec(cfg.data.source).shape(cfg.data.params)
+        resolve_head(cfg, shape, max(1, num_classes), build_model)
+
+
+def _absolute_model_file(name: str) -> str:
+    """'rel/file.py:Class' with the file made absolute (a Ray trial runs in another directory)."""
+    from ..plugins import is_file_entry
+    from ..paths import absolute_path
+
+    where, _, attr = name.rpartition(":")
+    return f"{absolute_path(where)}:{attr}" if where and is_file_entry(where) else name
 
 
 def params_doc(name: str) -> list[tuple[str, str, Any, str]]:
@@ -169,7 +170,16 @@ def params_doc(name: str) -> list[tuple[str, str, Any, str]]:
 
 
 __all__ = [
-    "LayerGroups", "ModelSpec", "build_model", "default_model", "flatten_params", "init_params",
+    "LayerGroups", "ModelSpec", "build_model", "check_model_on", "default_model", "flatten_params", "init_params",
     "layer_groups", "list_models", "model_spec", "num_params", "params_doc", "params_of", "register",
     "resolve_model_config", "unflatten_params",
 ]
+
+
+def check_model_on(cfg: Any, data: Any) -> None:
+    """Build the run's model and check it on ``data`` (a sweep does this before Ray starts)."""
+    from .custom import prepare_model
+
+    model = build_model(cfg.model.name, cfg.model.params, data.input_shape, data.num_classes)
+    prepare_model(model, cfg, data)
+

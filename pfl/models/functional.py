@@ -8,6 +8,7 @@ vectors), and draw a fresh, reproducible initialisation from a seeded generator.
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Iterable, Mapping, Sequence
 
@@ -66,12 +67,28 @@ def _uniform(shape: torch.Size, bound: float, generator: torch.Generator) -> tor
     return out.uniform_(-bound, bound, generator=generator)
 
 
+def _reset_elsewhere(module: nn.Module, prefix: str, generator: torch.Generator) -> Params:
+    """A module without a rule here (your own model's LSTM, attention, bare nn.Parameter): its own
+    ``reset_parameters`` on a CPU copy, with torch's RNG seeded from ``generator`` and restored
+    afterwards; a module without one keeps the values it was built with (built under the run seed)."""
+    own = dict(module.named_parameters(recurse=False))
+    if not hasattr(module, "reset_parameters"):
+        return {prefix + n: p.detach().cpu().clone() for n, p in own.items()}
+    seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
+    twin = copy.deepcopy(module).cpu()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        twin.reset_parameters()
+    return {prefix + n: p.detach().clone() for n, p in twin.named_parameters(recurse=False)}
+
+
 def init_params(model: nn.Module, generator: torch.Generator) -> Params:
     """Re-initialise ``model``'s parameters from ``generator`` and return copies of them.
 
     PyTorch's own defaults, drawn from the given generator so a run seed fixes them: conv and linear
     weights and biases ~ U(−1/√fan_in, 1/√fan_in) (what ``kaiming_uniform_(a=√5)`` amounts to),
-    normalisation layers weight 1 and bias 0, embeddings N(0, 1). Values are drawn on the generator's
+    normalisation layers weight 1 and bias 0, embeddings N(0, 1); any other module its own
+    ``reset_parameters`` (see :func:`_reset_elsewhere`). Values are drawn on the generator's
     device, in ``model.modules()`` order (weight before bias), then moved to each parameter's device,
     so the same seed gives the same model on CPU and GPU. The module is updated in place, so
     ``model(x)`` and ``functional_call(model, returned, x)`` agree.
@@ -94,8 +111,7 @@ def init_params(model: nn.Module, generator: torch.Generator) -> Params:
             fresh[prefix + "weight"] = torch.randn(module.weight.shape, generator=generator,
                                                    device=generator.device)
         else:
-            raise TypeError(f"init_params does not know how to initialise {type(module).__name__} "
-                            f"({prefix or 'root'}); give it a rule in pfl.models.functional")
+            fresh.update(_reset_elsewhere(module, prefix, generator))
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(fresh[name].to(device=p.device, dtype=p.dtype))

@@ -1,22 +1,24 @@
 """FPFC's λ tuning strategies: a warm-started λ path vs separate runs (docs/methods/fpfc.md §4).
 
-*Warmup (path following).* Train at the first λ of the grid until the validation accuracy
-changes by less than ``tolerance`` between evaluations (or ``stage_cap`` rounds), record the
-stage, then move to the next λ starting from the current state (models, pair variables, duals),
-keeping the state with the best validation accuracy. Stop moving along the path once validation
-accuracy has been below the best for ``patience`` consecutive stages. Finally continue the best
-stage's state at its λ until its lineage has had ``budget`` rounds (the paper continues the best
-model "until the maximum number of iterations is reached"; the path rounds it inherits count).
+*One convergence rule.* A segment of training at one λ (a path stage, a separate run, the
+warm-up's final continuation) ends when it has **converged** — the best validation score of its
+last ``window`` evaluations is at most ``tolerance`` above its best before them — or at its cap.
+The score is validation accuracy (regression: minus the validation RMSE). A window of
+evaluations rather than one difference: single 10-round differences of a slowly rising accuracy
+fall below 1e-3 by noise long before training has settled.
 
-*Playoff* (ours; ``finalists`` > 1). When the stages are short, as they must be from the official
-N(0,1) start, a stage's validation accuracy measures how far training has come more than how good
-its λ is, so the last stages of the path always look best. The ``finalists`` best stages are then
-each continued ``playoff_rounds`` more rounds from their own state, and the best of them after that
-is the one continued to the budget. Every round run counts in ``total_rounds``.
+*Warmup (path following).* Train at the first λ of the grid until convergence (or ``stage_cap``),
+record the stage, move to the next λ from the current state (models, pair variables, duals). Stop
+once validation has been below the path's best for ``patience`` consecutive stages (the decline).
+If the grid ends while its last stage is still the best, the path goes on past it, one grid step
+at a time, at most ``extend`` λ values (the decline not reached is reported). The ``finalists``
+best stages were snapshotted; the *playoff* continues each from its own state until all have the
+same number of lineage rounds (the latest one's plus ``playoff_rounds``), so candidates are
+compared at equal training — the later stages of a path otherwise win by having trained longer.
+The best of them is continued until convergence (the final continuation). No lineage trains past
+``budget`` rounds: the path, the playoff and the continuation stop there.
 
-*Separate.* Every λ of the same grid is trained from scratch for the full ``budget`` (docs/methods/fpfc.md
-§4: the baseline of the paper's timing table), so both strategies' final models have had the same
-number of rounds and the comparison is of how the rounds were spent.
+*Separate.* One λ from scratch until the same convergence rule, capped at ``budget`` rounds.
 
 Both run as :class:`LambdaPath`, a callback that steers the one round loop
 (:mod:`pfl.federation.loop`): it chooses the evaluation rounds, changes λ, snapshots and restores
@@ -24,34 +26,25 @@ model states, and stops the loop when the schedule is done. Its position (phase,
 finalists' snapshots) is part of the loop's checkpoint, so an interrupted path resumes where it
 was. Restoring a finalist's state restores the model lineage only: the run's executed rounds,
 metric steps and cumulative communication keep counting, so every round run is paid for in
-``total_rounds`` and ``comm/*``.
+``fpfc/total_rounds`` and ``comm/*``. At the end the selected model is evaluated once more (with
+the final cluster read-out), so every reported metric, the client table and the cluster file are
+that model's.
 
-The paper's text says the path ascends (the default here). The spec's own measurement (§4, §11)
-found that from the official N(0,1) start an ascending path fragments the devices at its first
-small λ (pairs pushed past aλ never feel a pull again) while a descending one keeps the structure
-but learns slowly. From a common start (every device the same initial model, ``method.init_std:
-0``) the ascending path re-fuses the devices as λ grows, and a descending one fragments them
-instead: its validation accuracy keeps rising as λ falls, so it never stops early. Both directions
-are implemented (``direction``) and measured in the issue notes.
-
-Measured on S1 from the N(0,1) start (ρ = 1, lr 0.1, budget 2,000; the ``paper`` preset of
-search_spaces/fpfc.yaml): 10-round stages do not fragment the devices, but their validation
-accuracies (0.623 / 0.629 / 0.630 / 0.622 for λ = 0.8 … 1.4, seed 0) pick λ = 1.2, which continued
-reaches 84.4 % on seed 0 (88.5 % on seed 1). After 200 playoff rounds λ = 1.2 is clearly behind
-on seed 0 (val 0.677 vs 0.749 for λ = 1.0) and the path selects λ = 1.0 on both seeds: 88.48 % /
-88.52 % test, 4 clusters, ARI 1.00, 2,420 rounds, against the separate strategy's best λ = 0.8
-(88.48 % / 88.52 %) after 14,000 rounds: 5.8× fewer rounds, 6.7× less compute.
+The ascending order is the paper's; from a common start (``method.init_std: 0``) it re-fuses the
+devices as λ grows, and ``direction: descending`` fragments them (docs/methods/fpfc.md §4).
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from ..federation.loop import Callback, LoopResult, RoundLoop, StopTraining
 from ..schema import ConfigError, hp
+from .path_report import plot_path, stage_metrics, write_stages
 
 Stage = dict[str, float]
 
@@ -61,30 +54,56 @@ class PathSettings:
     lambdas: list[float] = hp(default_factory=lambda: [0.2, 0.4, 0.6, 0.8, 1.0, 1.2, 1.4],
                               doc="the λ grid (sorted by `direction`)")
     direction: str = hp("ascending", "order of the path", choices=("ascending", "descending"))
-    tolerance: float = hp(1e-3, "a stage ends when |Δ val acc| between evaluations is below this", low=0.0)
-    eval_every: int = hp(10, "rounds between the evaluations the stopping rule compares", low=1)
+    tolerance: float = hp(1e-3, "a segment has converged when its best validation score of the last `window` "
+                                "evaluations is at most this above its best before them", low=0.0)
+    window: int = hp(3, "evaluations the convergence rule looks back over", low=1)
+    eval_every: int = hp(10, "rounds between the evaluations the convergence rule compares", low=1)
     stage_cap: int = hp(200, "round cap of one path stage", low=1)
-    min_stage_rounds: int = hp(20, "rounds every stage runs before the tolerance may end it", low=0)
+    min_stage_rounds: int = hp(0, "rounds every segment runs before the convergence rule may end it: 0, or at "
+                                  "least (window + 1) × eval_every, the rule's own minimum", low=0)
     patience: int = hp(2, "stop the path after this many consecutive stages below the best", low=1)
-    finalists: int = hp(1, "best path stages (by val acc) continued `playoff_rounds` each before the final "
-                           "choice; 1 continues the best stage (the paper's rule)", low=1)
-    playoff_rounds: int = hp(0, "rounds each finalist is continued before the best of them is chosen", low=0)
-    budget: int = hp(1000, "rounds of every separate run, and of the warm-up's final model counting "
-                           "the path rounds it inherits", low=1)
+    extend: int = hp(2, "λ values the path adds past the grid's end (one grid step each) while its last stage "
+                        "is still its best; 0: the grid only", low=0)
+    finalists: int = hp(3, "best path stages (by validation) compared in the playoff at equal lineage rounds; "
+                           "1: no playoff, the best stage is continued", low=1)
+    playoff_rounds: int = hp(50, "rounds the latest finalist is continued in the playoff; the others are "
+                                 "continued to the same lineage total", low=0)
+    budget: int = hp(1000, "most rounds any model's lineage trains: a separate run, and a warm-up lineage "
+                           "(path, playoff and final continuation)", low=1)
 
     def validate(self, path: str) -> None:
+        def key(name: str) -> str:
+            return f"{path}.{name}" if path else name
+
         if not self.lambdas:
-            raise ConfigError(f"{path}.lambdas" if path else "lambdas", "needs at least one λ")
+            raise ConfigError(key("lambdas"), "needs at least one λ")
         if any(v <= 0 for v in self.lambdas):
-            raise ConfigError(f"{path}.lambdas" if path else "lambdas", "every λ must be > 0")
-        if (self.finalists > 1) != (self.playoff_rounds > 0):
-            key = "playoff_rounds" if self.finalists > 1 else "finalists"
-            raise ConfigError(f"{path}.{key}" if path else key,
-                              f"a playoff needs finalists > 1 and playoff_rounds > 0 (or neither), got "
-                              f"finalists={self.finalists}, playoff_rounds={self.playoff_rounds}")
+            raise ConfigError(key("lambdas"), "every λ must be > 0")
+        least = (self.window + 1) * self.eval_every
+        if 0 < self.min_stage_rounds < least:
+            # the rule needs window + 1 evaluations, so a smaller minimum would have no effect
+            raise ConfigError(key("min_stage_rounds"), f"allowed: 0 or at least (window + 1) × eval_every = "
+                                                       f"{least} (the convergence rule's own minimum), got "
+                                                       f"{self.min_stage_rounds}")
 
     def ordered(self) -> list[float]:
         return sorted(self.lambdas, reverse=self.direction == "descending")
+
+    def next_lambda(self, visited: list[float]) -> float | None:
+        """The λ one grid step past ``visited[-1]`` in the path's direction (None: no step, or λ ≤ 0)."""
+        grid = self.ordered()
+        if len(grid) < 2:
+            return None
+        nxt = round(visited[-1] + (grid[-1] - grid[-2]), 10)
+        return nxt if nxt > 0 else None
+
+
+def converged(scores: list[float], window: int, tolerance: float) -> bool:
+    """Whether a segment's validation scores (higher is better, oldest first) have settled: the best
+    of the last ``window`` is at most ``tolerance`` above the best before them."""
+    if len(scores) <= window:
+        return False
+    return max(scores[-window:]) <= max(scores[:-window]) + tolerance
 
 
 def require_validation(cfg) -> None:
@@ -101,25 +120,27 @@ def set_lambda(sim, lam: float) -> None:
     sim.set_hparams(dataclasses.replace(sim.method.hp, lam=float(lam)))
 
 
-def stage_record(lam: float, metrics: dict, rounds: int, wall: float) -> Stage:
-    keys = ("val/acc_mean", "test/acc_mean", "cluster/num", "cluster/ari", "fpfc/readout_acc")
+RECORD_KEYS = ("val/acc_mean", "val/rmse_mean", "test/acc_mean", "test/rmse_mean", "cluster/num", "cluster/ari",
+               "fpfc/readout_acc")
+
+
+def stage_record(lam: float, metrics: dict, rounds: int, wall: float, **extra: float) -> Stage:
     out = {"lambda": float(lam), "rounds": float(rounds), "wall_s": wall}
-    out.update({k: float(metrics[k]) for k in keys if k in metrics})
+    out.update({k: float(metrics[k]) for k in RECORD_KEYS if k in metrics})
+    out.update({k: float(v) for k, v in extra.items()})
     return out
 
 
-# a stage record's keys -> the names its MLflow metrics carry after the prefix (stage/, playoff/)
-STAGE_METRICS = {"lambda": "lambda", "val/acc_mean": "val_acc", "test/acc_mean": "test_acc",
-                 "cluster/num": "clusters", "cluster/ari": "ari", "rounds": "rounds"}
+def score_of(task: str) -> tuple[str, float]:
+    """The validation metric λ is chosen by and its sign (the score is maximised)."""
+    return ("val/rmse_mean", -1.0) if task == "regression" else ("val/acc_mean", 1.0)
 
 
 #: what a λ-tuning trial reports besides the run's own metrics
-PATH_METRICS = ("fpfc/selected_lambda", "fpfc/total_rounds", "fpfc/path_stages", "stage/*", "playoff/*")
-
-
-def stage_metrics(stage: dict, prefix: str = "stage/") -> dict[str, float]:
-    """A path stage (or playoff match) as metrics (``stage/*``, ``playoff/*``)."""
-    return {prefix + name: float(stage[key]) for key, name in STAGE_METRICS.items() if key in stage}
+PATH_METRICS = ("fpfc/selected_lambda", "fpfc/total_rounds", "fpfc/path_stages", "fpfc/lineage_rounds",
+                "fpfc/converged", "fpfc/path_rounds", "fpfc/playoff_total_rounds", "fpfc/final_rounds",
+                "fpfc/grid_extended", "fpfc/decline_reached", "fpfc/budget_reached", "fpfc/trial_wall_s",
+                "fpfc/compute_s", "fpfc/cpu_s", "stage/*", "playoff/*")
 
 
 @dataclass
@@ -135,18 +156,20 @@ class PathResult:
 class LambdaPath(Callback):
     """Steers a run through the warm-up path (``strategy="warmup"``) or one separate λ.
 
-    Segments of rounds are trained at one λ from a start round: a path stage (ends on the tolerance
-    after ``min_stage_rounds`` or at ``stage_cap``), a playoff match (``playoff_rounds``), the final
-    continuation (to ``budget`` lineage rounds) or a separate run (``budget`` rounds). Evaluations
-    fall every ``eval_every`` rounds of a segment and at its end. Each stage end adds ``stage/*``
-    to that round's metrics, each playoff end ``playoff/*``; at the end ``loop.summary`` holds
-    ``fpfc/selected_lambda``, ``fpfc/total_rounds``, ``fpfc/path_stages`` and the final model's
-    metrics.
+    Segments of rounds are trained at one λ from a start round: a path stage (ends on convergence
+    after ``min_stage_rounds``, or at ``stage_cap``), a playoff match (to the playoff's lineage
+    total), the final continuation and a separate run (on convergence, or at ``budget`` lineage
+    rounds). Evaluations fall every ``eval_every`` rounds of a segment and at its end. Each stage
+    end adds ``stage/*`` to that round's metrics, each match end ``playoff/*``; at the end
+    ``loop.summary`` holds the ``fpfc/*`` schedule metrics (:data:`PATH_METRICS`) and the selected
+    model's evaluation.
     """
 
     key = "lambda_path"
     #: what the schedule changes: logged at the end as the final model's λ and the rounds run
     steered_keys = ("method.lam", "federation.rounds")
+    #: metrics that mark an event of one round (a stage or match end), not the run's state
+    event_prefixes = ("stage/", "playoff/")
 
     def __init__(self, settings: PathSettings, strategy: str = "warmup",
                  on_stage: Callable[[int, Stage], None] | None = None):
@@ -156,111 +179,147 @@ class LambdaPath(Callback):
         self.strategy = strategy
         self.on_stage = on_stage
         self.st: dict[str, Any] = {}   # the position; empty before the first round
+        self._clock = time.perf_counter()
+        self._cpu = time.process_time()
 
     # ---- segments ------------------------------------------------------------------------------
     def _segment(self, sim, lam: float, cap: int, stop_early: bool) -> None:
         set_lambda(sim, lam)
-        self.st.update(lam=float(lam), start=sim.round, cap=int(cap), stop_early=stop_early, prev=None,
-                       t0=sim.elapsed)
+        self.st.update(lam=float(lam), start=sim.round, cap=int(cap), stop_early=stop_early, scores=[],
+                       t0=sim.elapsed, c0=self.st.get("cpu_s", 0.0))
 
     def on_start(self, loop: RoundLoop) -> None:
+        sim = loop.sim
+        self.metric, self.sign = score_of(sim.data.task)
+        self._clock, self._cpu = time.perf_counter(), time.process_time()
         if self.st:
             return  # resumed from a checkpoint: the position came with it
-        sim = loop.sim
         require_validation(sim.cfg)
+        cfg = self.settings
         if self.strategy == "separate":
-            self.st = {"phase": "separate"}
-            self._segment(sim, sim.method.hp.lam, self.settings.budget, stop_early=False)
+            self.st = {"phase": "separate", "wall_s": 0.0, "cpu_s": 0.0}
+            self._segment(sim, sim.method.hp.lam, cfg.budget - sim.round, stop_early=True)
             return
-        self.st = {"phase": "path", "index": 0, "stages": [], "finalists": [], "best": -math.inf,
-                   "below": 0, "playoff": [], "match": 0}
-        self._segment(sim, self.settings.ordered()[0], self.settings.stage_cap, stop_early=True)
+        self.st = {"phase": "path", "lambdas": cfg.ordered(), "index": 0, "stages": [], "finalists": [],
+                   "best": -math.inf, "below": 0, "extended": 0, "playoff": [], "match": 0, "wall_s": 0.0,
+                   "cpu_s": 0.0}
+        self._segment(sim, self.st["lambdas"][0], min(cfg.stage_cap, cfg.budget - sim.round), stop_early=True)
 
     def wants_eval(self, loop: RoundLoop, rnd: int) -> bool:
         done = rnd + 1 - self.st["start"]
         return done % self.settings.eval_every == 0 or done >= self.st["cap"]
 
     def on_round(self, loop: RoundLoop, metrics: dict[str, float]) -> None:
-        if "val/acc_mean" not in metrics:
-            return
+        # CPU seconds as well as wall time: on a shared machine the wall time of a round depends on the
+        # load of the moment, its CPU time (one thread per trial) hardly
+        now, cpu = time.perf_counter(), time.process_time()
         sim, st, cfg = loop.sim, self.st, self.settings
+        st["wall_s"] += now - self._clock
+        st["cpu_s"] += cpu - self._cpu
+        self._clock, self._cpu = now, cpu
         rounds = sim.round - st["start"]
-        val = float(metrics["val/acc_mean"])
-        ended = rounds >= st["cap"]
-        if st["stop_early"] and st["prev"] is not None and rounds >= cfg.min_stage_rounds \
-                and abs(val - st["prev"]) < cfg.tolerance:
-            ended = True
-        st["prev"] = val
-        if not ended:
+        if self.metric not in metrics:
+            if rounds % cfg.eval_every == 0 or rounds >= st["cap"]:  # an evaluation this schedule asked for
+                raise RuntimeError(f"the λ schedule chooses by {self.metric}, which the evaluation did not report "
+                                   f"(reported: {', '.join(sorted(k for k in metrics if k.startswith('val/')))})")
             return
-        record = stage_record(st["lam"], metrics, rounds, sim.elapsed - st["t0"])
+        st["scores"].append(self.sign * float(metrics[self.metric]))
+        settled = st["stop_early"] and rounds >= cfg.min_stage_rounds and \
+            converged(st["scores"], cfg.window, cfg.tolerance)
+        if not (settled or rounds >= st["cap"]):
+            return
+        record = stage_record(st["lam"], metrics, rounds, sim.elapsed - st["t0"], converged=float(settled),
+                              lineage=float(sim.round), cpu_s=st["cpu_s"] - st["c0"])
         getattr(self, f"_end_{st['phase']}")(loop, metrics, record)
 
-    # ---- the phases ----------------------------------------------------------------------------
+    # ---- the path ------------------------------------------------------------------------------
     def _end_path(self, loop: RoundLoop, metrics: dict, record: Stage) -> None:
         sim, st, cfg = loop.sim, self.st, self.settings
         st["stages"].append(record)
         metrics.update(stage_metrics(record))
         if self.on_stage is not None:
             self.on_stage(st["index"], record)
-        self._keep_best(sim, record["val/acc_mean"], metrics)
-        if record["val/acc_mean"] > st["best"]:
-            st["best"], st["below"] = record["val/acc_mean"], 0
+        score = st["scores"][-1]
+        self._keep_best(sim, score, record)
+        if score > st["best"]:
+            st["best"], st["below"], st["best_index"] = score, 0, len(st["stages"]) - 1
         else:
             st["below"] += 1
         st["index"] += 1
-        if st["below"] >= cfg.patience or st["index"] >= len(cfg.ordered()):
-            self._after_path(loop)
+        if st["index"] >= len(st["lambdas"]) and st["below"] == 0 and st["extended"] < cfg.extend:
+            nxt = cfg.next_lambda(st["lambdas"])   # still rising at the grid's end: the decline is further on
+            if nxt is not None:
+                st["lambdas"].append(nxt)
+                st["extended"] += 1
+        if st["below"] >= cfg.patience or st["index"] >= len(st["lambdas"]) or sim.round >= cfg.budget:
+            self._after_path(loop, metrics)
         else:
-            self._segment(sim, cfg.ordered()[st["index"]], cfg.stage_cap, stop_early=True)
+            self._segment(sim, st["lambdas"][st["index"]], min(cfg.stage_cap, cfg.budget - sim.round),
+                          stop_early=True)
 
-    def _keep_best(self, sim, val: float, metrics: dict) -> None:
+    def _keep_best(self, sim, score: float, record: Stage) -> None:
         """Snapshot the model into the finalists (best first) if this stage is among the best."""
         finalists, size = self.st["finalists"], self.settings.finalists
-        if len(finalists) >= size and val <= finalists[-1]["val"]:
+        if len(finalists) >= size and score <= finalists[-1]["score"]:
             return
-        finalists.append({"lam": self.st["lam"], "val": val, "metrics": dict(metrics), "state": sim.snapshot()})
-        finalists.sort(key=lambda c: -c["val"])
+        finalists.append({"lam": self.st["lam"], "score": score, "lineage": sim.round, "record": dict(record),
+                          "state": sim.snapshot()})
+        finalists.sort(key=lambda c: -c["score"])
         del finalists[size:]
 
-    def _after_path(self, loop: RoundLoop) -> None:
+    def _after_path(self, loop: RoundLoop, metrics: dict) -> None:
         st = self.st
-        if len(st["finalists"]) > 1 and self.settings.playoff_rounds > 0:
-            # short path stages rank λ by training progress as much as by λ; a few hundred rounds
-            # more from each finalist's state show which λ keeps improving
-            st["phase"], st["match"] = "playoff", 0
-            self._start_match(loop)
-        else:
+        if len(st["finalists"]) < 2:
             self._start_final(loop, st["finalists"][0])
+            return
+        # equal training for every finalist: the latest one's lineage plus playoff_rounds (within the
+        # budget); the matches run latest first, so only the first can be one of no rounds
+        st["finalists"].sort(key=lambda c: -c["lineage"])
+        st["target"] = min(st["finalists"][0]["lineage"] + self.settings.playoff_rounds, self.settings.budget)
+        st["phase"], st["match"] = "playoff", 0
+        self._start_match(loop, metrics)
 
-    def _start_match(self, loop: RoundLoop) -> None:
-        candidate = self.st["finalists"][self.st["match"]]
-        loop.sim.restore(candidate["state"])
-        self._segment(loop.sim, candidate["lam"], self.settings.playoff_rounds, stop_early=False)
-
-    def _end_playoff(self, loop: RoundLoop, metrics: dict, record: Stage) -> None:
+    def _start_match(self, loop: RoundLoop, metrics: dict | None = None) -> None:
         st = self.st
         candidate = st["finalists"][st["match"]]
-        candidate.update(val=record["val/acc_mean"], metrics=dict(metrics), state=loop.sim.snapshot())
+        loop.sim.restore(candidate["state"])
+        rounds = st["target"] - loop.sim.round
+        if rounds > 0:
+            self._segment(loop.sim, candidate["lam"], rounds, stop_early=False)
+            return
+        # already at the playoff's total (the latest finalist with playoff_rounds 0, or the budget)
+        set_lambda(loop.sim, candidate["lam"])
+        self._match_done(loop, metrics, dict(candidate["record"], rounds=0.0, wall_s=0.0, cpu_s=0.0, converged=0.0),
+                         candidate["score"])
+
+    def _end_playoff(self, loop: RoundLoop, metrics: dict, record: Stage) -> None:
+        self._match_done(loop, metrics, record, self.st["scores"][-1])
+
+    def _match_done(self, loop: RoundLoop, metrics: dict | None, record: Stage, score: float) -> None:
+        st = self.st
+        candidate = st["finalists"][st["match"]]
+        candidate.update(score=score, record=dict(record), lineage=loop.sim.round, state=loop.sim.snapshot())
         st["playoff"].append(record)
-        metrics.update(stage_metrics(record, "playoff/"))
+        if metrics is not None:
+            metrics.update(stage_metrics(record, "playoff/"))
         st["match"] += 1
         if st["match"] < len(st["finalists"]):
             self._start_match(loop)
         else:
-            self._start_final(loop, max(st["finalists"], key=lambda c: c["val"]))
+            self._start_final(loop, max(st["finalists"], key=lambda c: c["score"]))
 
     def _start_final(self, loop: RoundLoop, winner: dict) -> None:
         sim, st = loop.sim, self.st
         st["phase"] = "final"
         sim.restore(winner["state"])
         st["finalists"] = [dict(winner, state=None)]  # the other snapshots are no longer needed
+        st["selected"] = winner["lam"]
         if self.settings.budget > sim.round:
-            self._segment(sim, winner["lam"], self.settings.budget - sim.round, stop_early=False)
+            self._segment(sim, winner["lam"], self.settings.budget - sim.round, stop_early=True)
         else:
             set_lambda(sim, winner["lam"])
             st.update(lam=winner["lam"], start=sim.round, t0=sim.elapsed)
-            self._finish(loop, stage_record(winner["lam"], winner["metrics"], 0, 0.0))
+            self._finish(loop, dict(winner["record"], rounds=0.0, wall_s=0.0, cpu_s=0.0, converged=0.0))
 
     def _end_final(self, loop: RoundLoop, metrics: dict, record: Stage) -> None:
         self._finish(loop, record)
@@ -269,12 +328,28 @@ class LambdaPath(Callback):
         self._finish(loop, record)
 
     def _finish(self, loop: RoundLoop, final: Stage) -> None:
-        st = self.st
-        self.loop_executed = loop.sim.executed
+        sim, st = loop.sim, self.st
+        self.loop_executed = sim.executed
         st["phase"], st["final"] = "done", final
-        loop.summary.update({"fpfc/selected_lambda": final["lambda"], "fpfc/total_rounds": float(loop.sim.executed),
-                             "fpfc/path_stages": float(len(st.get("stages", [])) or 1)})
-        loop.summary.update({k: v for k, v in final.items() if "/" in k})
+        stages = st.get("stages", [])
+        playoff = st.get("playoff", [])
+        summary = {
+            "fpfc/selected_lambda": final["lambda"], "fpfc/total_rounds": float(sim.executed),
+            "fpfc/path_stages": float(len(stages) or 1), "fpfc/lineage_rounds": float(sim.round),
+            "fpfc/converged": final.get("converged", 0.0), "fpfc/final_rounds": final["rounds"],
+            "fpfc/path_rounds": float(sum(s["rounds"] for s in stages)),
+            "fpfc/playoff_total_rounds": float(sum(m["rounds"] for m in playoff)),
+            "fpfc/budget_reached": float(sim.round >= self.settings.budget),
+            "fpfc/trial_wall_s": st["wall_s"], "fpfc/compute_s": float(sim.elapsed), "fpfc/cpu_s": st["cpu_s"]}
+        if self.strategy == "warmup":
+            summary["fpfc/grid_extended"] = float(st["extended"])
+            summary["fpfc/decline_reached"] = float(st.get("best_index", 0) < len(stages) - 1)
+        # the selected model itself, with the final read-out: every reported metric is this model's
+        # (after a playoff the last evaluated model may be another finalist's)
+        evaluated = sim.evaluate(final=True)
+        loop.summary.update(evaluated)
+        loop.summary.update(summary)
+        st["final"] = {**final, **stage_record(final["lambda"], evaluated, final["rounds"], final["wall_s"])}
         raise StopTraining("FINISHED")
 
     # ---- results -------------------------------------------------------------------------------
@@ -282,7 +357,9 @@ class LambdaPath(Callback):
         st = self.st
         stages = st.get("stages") or [st["final"]]
         return PathResult(stages, float(st["final"]["lambda"]), st["final"], int(loop.sim.executed),
-                          loop.sim.elapsed, extra={"playoff": list(st.get("playoff", []))})
+                          loop.sim.elapsed, extra={"playoff": list(st.get("playoff", [])),
+                                                   "lambdas": list(st.get("lambdas", [])),
+                                                   "summary": dict(loop.summary)})
 
     def on_end(self, loop: RoundLoop, result: LoopResult) -> None:
         if result.status == "FINISHED" and self.st.get("phase") != "done":
@@ -291,8 +368,6 @@ class LambdaPath(Callback):
     def write_artifacts(self, loop: RoundLoop, outdir: Path) -> list[tuple[Path, str | None]]:
         if self.strategy != "warmup" or not self.st.get("stages"):
             return []
-        from .fpfc_trainable import plot_path, write_stages
-
         files = [(write_stages(self.st["stages"], outdir / "lambda_path.csv"), None)]
         if self.st["playoff"]:
             files.append((write_stages(self.st["playoff"], outdir / "lambda_playoff.csv"), None))
@@ -339,14 +414,14 @@ def _run(sim, controller: LambdaPath, on_round: Callable[[dict], None] | None) -
 def warmup_path(sim, settings: PathSettings, on_stage: Callable[[int, Stage], None] | None = None,
                 on_round: Callable[[dict], None] | None = None) -> PathResult:
     """The warm-started λ path on a fresh simulator, the playoff of its best stages (when
-    ``finalists`` > 1), then the chosen λ continued to the budget (without callbacks of a sweep)."""
+    ``finalists`` > 1), then the chosen λ continued until convergence (without a sweep's callbacks)."""
     controller = _run(sim, LambdaPath(settings, "warmup", on_stage), on_round)
     return controller.result(controller.loop)
 
 
 def separate_run(sim, lam: float, settings: PathSettings,
                  on_round: Callable[[dict], None] | None = None) -> Stage:
-    """One λ from scratch for the full budget (the separate strategy's unit of work)."""
+    """One λ from scratch until convergence (or ``budget`` rounds): the separate strategy's unit."""
     set_lambda(sim, lam)
     controller = _run(sim, LambdaPath(settings, "separate"), on_round)
     return controller.st["final"]

@@ -30,9 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-
-from ..config import apply_overrides, resolve
-from ..schema import ConfigError, from_dict, hp
+from ..config import apply_overrides, parse_yaml_file
+from ..metric_catalog import metric_known, reported_metrics
+from ..resolver import resolve
+from ..schema import ConfigError, did_you_mean, from_dict, hp
 
 DISTRIBUTIONS = ("choice", "grid", "uniform", "loguniform", "randint", "quniform")
 SEARCHERS = ("optuna", "random", "grid")
@@ -139,8 +140,6 @@ PROJECT_SCENARIOS = Path(__file__).resolve().parents[2] / "search_spaces" / "sce
 
 
 def _read_scenarios(path: Path) -> dict:
-    from ..config import parse_yaml_file
-
     loaded = parse_yaml_file(path, "scenario") or {}
     if not isinstance(loaded, dict):
         raise ConfigError("scenario", f"{path} must map scenario names to dotted config values")
@@ -169,8 +168,6 @@ def load_scenario(name: str, space_path: Path | None = None) -> dict:
 
 
 def load_space(path: str | Path) -> SearchSpace:
-    from ..config import parse_yaml_file
-
     path = Path(path)
     if not path.is_file():
         raise ConfigError("space", f"no such search-space file: {path}")
@@ -202,12 +199,10 @@ def base_config(space: SearchSpace, overrides: list[str] | None = None, smoke: b
 def check_space(space: SearchSpace, raw: dict, extra_metrics: tuple[str, ...] = ()) -> None:
     """Resolve the base config and, for each searched key, a config with that key set (per value);
     the space's ``metric`` must be one the trials report (``extra_metrics``: a pipeline's own)."""
-    from ..evaluation import metric_known, reported_metrics
-
     try:
         base = resolve(raw)
     except ConfigError as err:
-        raise ConfigError(err.field, f"{err} (in the scenario/base/fixed values of {space.path})") from None
+        raise ConfigError(err.field, f"{err.message} (in the scenario/base/fixed values of {space.path})") from None
     catalog = list(reported_metrics(base)) + list(extra_metrics)
     for key, dist in space.distributions.items():
         for value in dist.examples():
@@ -217,10 +212,7 @@ def check_space(space: SearchSpace, raw: dict, extra_metrics: tuple[str, ...] = 
                 raise ConfigError(f"search.{key}", f"{err}") from None
             catalog += [m for m in reported_metrics(cfg) if m not in catalog]
     if not metric_known(space.metric, catalog):
-        import difflib
-
-        close = difflib.get_close_matches(space.metric, [m for m in catalog if "*" not in m], n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        hint = did_you_mean(space.metric, [m for m in catalog if "*" not in m])
         raise ConfigError("metric", f"{space.metric!r} in {space.path} is not a metric the trials report{hint}; "
                                     f"reported: {', '.join(catalog)}")
 

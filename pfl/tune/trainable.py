@@ -21,9 +21,11 @@ import torch
 
 from ..callbacks import MLflowLogger, StopOnDivergence
 from ..callbacks.tune import STATE_FILE, TuneReporter
-from ..config import apply_overrides, resolve
+from ..config import apply_overrides
+from ..resolver import resolve
 from ..federation.loop import Callback, LoopResult, RoundLoop
-from ..federation.simulator import DivergedError, simulator_for
+from ..federation.drivers import simulator_for
+from ..federation.simulator import DivergedError
 from ..tracking import Tracker
 
 

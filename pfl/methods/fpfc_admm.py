@@ -1,0 +1,181 @@
+"""FPFC's server-side ADMM: the stacked pair updates, the newcomers' join rounds, the θ-norm picture.
+
+The pair math is module level so tests and benchmarks can compare it with a plain loop; see
+:mod:`pfl.methods.fpfc` for the method and the decisions behind it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from ..federation.messages import Message
+from ..models import flatten_params, unflatten_params
+from ..training import Params
+from .base import ClientHandle
+
+Prox = Callable[[torch.Tensor], torch.Tensor]
+
+
+# ---- server math (module level so tests can compare it with a plain loop) -----------------------
+
+def zeta(W: torch.Tensor, theta: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, rho: float,
+         cols: torch.Tensor | None = None) -> torch.Tensor:
+    """ζ_i = (1/m) Σ_j (w_j + θ_ij − v_ij/ρ) for the rows ``idx`` (θ_ii = v_ii = 0 supply w_i).
+
+    ``cols``: the devices j of the federation (default all m; the pairs to other devices must hold
+    θ = v = 0, as they do when :func:`pair_update` is given the same ``cols``).
+    """
+    pull = theta.index_select(0, idx).sum(1)
+    dual = v.index_select(0, idx).sum(1)
+    if cols is None:
+        return W.mean(0) + (pull - dual / rho) / W.shape[0]
+    return W.index_select(0, cols).mean(0) + (pull - dual / rho) / len(cols)
+
+
+def pair_update(W: torch.Tensor, theta: torch.Tensor, v: torch.Tensor, rows: Sequence[int],
+                prox: Prox, rho: float, mode: str = "once", cols: Sequence[int] | None = None) -> None:
+    """In place: θ, v of every pair touching ``rows`` (θ_ij = prox(δ), v_ij += ρ(w_i − w_j − θ_ij)).
+
+    ``once`` computes the rows of ``rows`` together and mirrors them into the columns. A pair with
+    both ends in ``rows`` appears twice, as (i, j) and (j, i); its two δ are exact negatives and the
+    prox is odd, so both give the same (antisymmetric) result and writing either is one update.
+    ``official_sequential`` walks the rows in order, each seeing the duals its predecessors wrote.
+    ``cols`` restricts the partners j to those devices (default: all m); the other pairs are left
+    as they are.
+    """
+    if cols is not None:
+        _pair_update_cols(W, theta, v, list(rows), list(cols), prox, rho, mode)
+    elif mode == "once":
+        # in-place arithmetic on the gathered rows: the server step is memory-bound
+        idx = torch.as_tensor(list(rows), dtype=torch.long, device=W.device)
+        diff = W[idx].unsqueeze(1) - W.unsqueeze(0)                  # (|A|, m, p)
+        new_v = v.index_select(0, idx)
+        delta = new_v.div(rho).add_(diff) if rho != 1 else new_v + diff
+        new_theta = prox(delta)
+        del delta
+        new_v.add_(diff.sub_(new_theta), alpha=rho)
+        theta.index_copy_(0, idx, new_theta)
+        v.index_copy_(0, idx, new_v)
+        theta.index_copy_(1, idx, new_theta.neg_().transpose(0, 1))
+        v.index_copy_(1, idx, new_v.neg_().transpose(0, 1))
+    elif mode == "official_sequential":
+        for i in rows:
+            diff = W[i] - W                                          # (m, p)
+            new_theta = prox(diff + v[i] / rho)
+            new_v = v[i] + rho * (diff - new_theta)
+            theta[i] = new_theta
+            v[i] = new_v
+            theta[:, i] = -new_theta
+            v[:, i] = -new_v
+    else:
+        raise ValueError(f"unknown pair_update mode {mode!r}; allowed: once, official_sequential")
+
+
+def _pair_update_cols(W: torch.Tensor, theta: torch.Tensor, v: torch.Tensor, rows: list[int], cols: list[int],
+                      prox: Prox, rho: float, mode: str) -> None:
+    """:func:`pair_update` with the partners restricted to ``cols`` (advanced indexing)."""
+    if mode not in ("once", "official_sequential"):
+        raise ValueError(f"unknown pair_update mode {mode!r}; allowed: once, official_sequential")
+    col = torch.as_tensor(cols, dtype=torch.long, device=W.device)
+    groups = [rows] if mode == "once" else [[i] for i in rows]
+    for group in groups:
+        idx = torch.as_tensor(group, dtype=torch.long, device=W.device)
+        diff = W[idx].unsqueeze(1) - W[col].unsqueeze(0)                # (|rows|, |cols|, p)
+        old_v = v[idx[:, None], col[None, :]]
+        new_theta = prox(diff + old_v / rho)
+        new_v = old_v + rho * (diff - new_theta)
+        theta[idx[:, None], col[None, :]] = new_theta
+        v[idx[:, None], col[None, :]] = new_v
+        theta[col[:, None], idx[None, :]] = -new_theta.transpose(0, 1)
+        v[col[:, None], idx[None, :]] = -new_v.transpose(0, 1)
+
+
+def pairwise_norms(theta: torch.Tensor) -> torch.Tensor:
+    """‖θ_ij‖ for all pairs, (m, m)."""
+    return torch.linalg.vector_norm(theta, dim=-1)
+
+
+def plot_theta_norms(theta: torch.Tensor, true, lam: float, nu: float, path: str | Path) -> Path:
+    """The heat map of ‖θ_ij‖ ordered by true cluster (an FPFC run's artifact)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dist = pairwise_norms(theta).cpu().numpy()
+    order = np.argsort(true, kind="stable") if true is not None else np.arange(len(dist))
+    fig, ax = plt.subplots(figsize=(5.5, 4.6), dpi=100)
+    image = ax.imshow(dist[np.ix_(order, order)], cmap="viridis", interpolation="nearest")
+    fig.colorbar(image, ax=ax, label="‖θ_ij‖")
+    if true is not None:
+        edges = np.flatnonzero(np.diff(np.asarray(true)[order])) + 0.5
+        for e in edges:
+            ax.axhline(e, color="white", lw=0.6)
+            ax.axvline(e, color="white", lw=0.6)
+    ax.set_title(f"pairwise ‖θ_ij‖ (λ={lam}, ν={nu:.3g}), ordered by true cluster")
+    ax.set_xlabel("device")
+    ax.set_ylabel("device")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return Path(path)
+
+
+class FPFCJoin:
+    """FPFC's newcomer rule (docs/methods/fpfc.md §8), mixed into :class:`pfl.methods.fpfc.FPFC`."""
+
+    newcomer_rule = ("trains alone (newcomers.local_rounds), uploads, then newcomer-only ADMM rounds "
+                     "against the trained devices until its upload settles (newcomers.tol)")
+
+    def join_begin(self, rnd: int, newcomers: list[int]) -> None:
+        self.joined = sorted(newcomers)
+        self.settled = []
+
+    def join_active(self, step: int) -> list[int]:
+        return [c for c in self.joined if c not in set(self.settled)]
+
+    def join_message(self, rnd: int, step: int, cid: int) -> Message:
+        """Step 0: the body only (the newcomer trains alone first); then its ζ against the trained
+        devices (and the body). With ``join_start: fused`` the first ζ comes from θ = v = 0 rows."""
+        entries: Params = dict(self.body) if self.shared else {}
+        if step == 0:
+            return Message.of(entries, rho=self.hp.rho, local=True)
+        dev = self.W.device
+        cols = torch.as_tensor(sorted(set(self.ctx.members) | {cid}), dtype=torch.long, device=dev)
+        z = zeta(self.W, self.theta, self.v, torch.as_tensor([cid], device=dev), self.hp.rho, cols)[0]
+        entries.update(unflatten_params(z, self.template, self.clustered))
+        return Message.of(entries, rho=self.hp.rho)
+
+    def join_update(self, rnd: int, step: int, client: ClientHandle, msg: Message | None) -> Message:
+        if msg.info.get("local"):
+            reply = None
+            for k in range(self.ctx.cfg.newcomers.local_rounds):
+                reply = self._train(rnd, client, msg, pull=False, tag=f"join_local{k}")
+            return reply
+        return self._train(rnd, client, msg, pull=True, tag="join")
+
+    def join_aggregate(self, rnd: int, step: int, replies: dict[int, Message]) -> None:
+        """Only the newcomers' rows move: their uploads, and their pairs with the trained devices
+        (not after the first upload with ``join_start: fused``: the rows stay θ = v = 0 once)."""
+        if not replies:
+            return
+        cids = sorted(replies)
+        idx = torch.as_tensor(cids, dtype=torch.long, device=self.W.device)
+        old = self.W[idx].clone()
+        self.W[idx] = torch.stack([flatten_params(replies[c].tensors(), self.clustered) for c in cids])
+        self.n_seen[idx] = torch.tensor([float(replies[c].info.get("n", 1)) for c in cids],
+                                        dtype=torch.float64, device=self.W.device)
+        if step > 0 or self.hp.join_start == "upload":
+            pair_update(self.W, self.theta, self.v, cids, self.prox(), self.hp.rho, "once", self.ctx.members)
+        tol = self.ctx.cfg.newcomers.tol
+        if step >= 1 and tol > 0:
+            change = torch.linalg.vector_norm(self.W[idx] - old, dim=1)
+            scale = torch.linalg.vector_norm(old, dim=1).clamp_min(1e-12)
+            self.settled += [c for c, ok in zip(cids, (change <= tol * scale).tolist()) if ok]
+
+
+__all__ = ["FPFCJoin", "Prox", "pair_update", "pairwise_norms", "plot_theta_norms", "zeta"]

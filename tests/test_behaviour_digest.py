@@ -1,0 +1,137 @@
+"""Behaviour preservation: fixed small runs compute exactly what they computed before a refactor.
+
+Each config below runs a few rounds; the test hashes every logged metric (as the float's exact
+hex), the per-client evaluation table, the newcomers' join result and the final model state
+(server and every client, tensors byte for byte) and compares with digests stored here, computed
+by the engine before issue 26's rewrite of the simulator. A refactor that changes any draw, any
+order of floating-point operations or any byte counted by the ledger changes a digest.
+
+The three configs of the issue (FPFC on S1, SCAFFOLD on digits, FedALA on Fashion-MNIST) are
+varied so that they pass through every client-facing path the engine has: sequential and vectorized
+cohorts, uplink and downlink compression, an attack, the newcomers' join, evaluation rounds, and
+(a fourth) the asynchronous driver.
+
+The digests are of float results, so they hold for this torch build (2.14.1) on x86-64 CPUs; a
+different torch or BLAS may legitimately round differently. Recompute them only for such a reason,
+never to make a refactor pass: ``python3 tests/test_behaviour_digest.py`` prints the current ones.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from helpers import small_config  # noqa: E402
+
+FMNIST = "/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz"
+
+CONFIGS = {
+    # FPFC on the S1 scenario, scaled down; newcomers join by FPFC's rule after training
+    "fpfc_s1": dict(scenario="fpfc_s1", data__num_clients=20, federation__rounds=4, federation__clients_per_round=6,
+                    federation__eval_every=2, newcomers__fraction=0.2, newcomers__rounds=3),
+    # SCAFFOLD on digits: the batched cohort, compressed uplink and downlink
+    "scaffold_digits": dict(method__name="scaffold", federation__rounds=3, federation__cohort="vectorized",
+                            compression__uplink={"name": "qsgd", "s": 7},
+                            compression__downlink={"name": "topk", "ratio": 0.3}, compression__min_numel=64),
+    # FedALA on Fashion-MNIST under a sign-flip attack
+    "fedala_fmnist": dict(method__name="fedala", data__source="fmnist", data__max_samples=1200, data__num_clients=6,
+                          data__partition__alpha=0.1, model__name="mlp", model__params__hidden=[32],
+                          federation__clients_per_round=4, federation__batch_size=50, federation__rounds=3,
+                          attack__kind="sign_flip", attack__fraction=0.2),
+    # the asynchronous driver (FPFC's asynchronous form)
+    "fpfc_async": dict(scenario="fpfc_s1", data__num_clients=12, federation__rounds=3, federation__clients_per_round=4,
+                       federation__driver="async", federation__eval_every=1),
+}
+
+# (metrics digest, model-state digest), computed before issue 26's refactor
+DIGESTS = {
+    "fedala_fmnist": ("d56731c8b12651269fe8e889", "7645c05184f23663282c2884"),
+    "fpfc_async": ("2d181acd04cb679fc490b08a", "48c89ebc933afbf622f9112e"),
+    "fpfc_s1": ("c85b6f8ce2ee20f4b9e68d8d", "386c05d75787f46e5899549e"),
+    "scaffold_digits": ("878134501489c8f3bb3a923a", "397db61295f9d6ffd3ca85e6"),
+}
+
+
+def _config(name: str):
+    settings = dict(CONFIGS[name])
+    scenario = settings.pop("scenario", None)
+    if scenario is not None:
+        from pfl.tune.space import load_scenario
+
+        base = {k.replace(".", "__"): v for k, v in load_scenario(scenario).items()}
+        settings = {**base, "data__partition__kind": "auto", "federation__eval_every": 1, **settings}
+        settings.setdefault("method__name", "fpfc")
+    settings.setdefault("data__cache", False)
+    return small_config(**settings)
+
+
+def _feed(h, value) -> None:
+    """``value`` into the hash, unambiguously (types, keys sorted, floats by their exact bits)."""
+    if isinstance(value, torch.Tensor):
+        t = value.detach().cpu().contiguous()
+        h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    elif isinstance(value, dict):
+        h.update(b"{")
+        for k in sorted(value, key=repr):
+            h.update(repr(k).encode())
+            _feed(h, value[k])
+        h.update(b"}")
+    elif isinstance(value, (list, tuple)):
+        h.update(b"[")
+        for v in value:
+            _feed(h, v)
+        h.update(b"]")
+    elif isinstance(value, float):
+        h.update(f"f{value.hex()}".encode())
+    elif hasattr(value, "tobytes"):  # numpy arrays and scalars
+        h.update(f"N{value.dtype}{getattr(value, 'shape', ())}".encode() + value.tobytes())
+    else:
+        h.update(f"{type(value).__name__}:{value!r}".encode())
+
+
+def _digest(value) -> str:
+    h = hashlib.sha256()
+    _feed(h, value)
+    return h.hexdigest()[:24]
+
+
+def run_digests(name: str) -> tuple[str, str]:
+    from pfl.federation.loop import RoundLoop
+    from pfl.federation.drivers import simulator_for
+    from pfl.federation.state import encode
+
+    cfg = _config(name)
+    sim = simulator_for(cfg)(cfg)
+    loop = RoundLoop(sim, [])
+    assert loop.run().status == "FINISHED"
+    metrics = {"history": sim.history, "clients": sim.last_client_table, "summary": loop.summary,
+               "ledger": sim.ledger.state_dict()}
+    return _digest(_unmeasured(metrics)), _digest(_unmeasured(encode(sim.model_state())))
+
+
+def _unmeasured(value):
+    """``value`` without wall-clock durations (they differ between runs; the simulated clock stays)."""
+    if isinstance(value, dict):
+        return {k: _unmeasured(v) for k, v in value.items()
+                if not (isinstance(k, str) and ("time" in k or "seconds" in k) and k != "time/sim_clock")}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_unmeasured(v) for v in value)
+    return value
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_a_fixed_run_computes_what_it_computed_before_the_refactor(name):
+    if CONFIGS[name].get("data__source") == "fmnist" and not os.path.exists(FMNIST):
+        pytest.skip("Fashion-MNIST files not installed (setup.sh installs them)")
+    assert run_digests(name) == DIGESTS[name]
+
+
+if __name__ == "__main__":
+    for key in sorted(CONFIGS):
+        print(f"    {key!r}: {run_digests(key)!r},")
