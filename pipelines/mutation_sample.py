@@ -64,7 +64,8 @@ def score(codes: dict[str, int | None], chosen: list[str]) -> str:
     judged = [m for m, s in status.items() if s in ("killed", "survived", "no tests", "timeout")]
     killed = sum(status[m] == "killed" for m in judged)
     lo, hi = wilson(killed, len(judged))
-    lines = [f"sample: {len(chosen)} of {len(codes)} mutants; " + ", ".join(f"{k} {v}" for k, v in sorted(count.items())),
+    counts = ", ".join(f"{k} {v}" for k, v in sorted(count.items()))
+    lines = [f"sample: {len(chosen)} of {len(codes)} mutants; {counts}",
              f"score: killed / judged = {killed} / {len(judged)} = "
              + (f"{100 * killed / len(judged):.1f} % (95 % Wilson interval {100 * lo:.1f}–{100 * hi:.1f} %)"
                 if judged else "–"),

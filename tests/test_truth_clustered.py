@@ -177,13 +177,14 @@ def fusion_residual(p, W, derivative, lam, fused_tol=1e-4):
     return worst, len(set(group))
 
 
-@pytest.mark.parametrize("lam, groups", [(1.0, 2), (0.5, 4)])
-def test_fpfc_scad_reaches_a_stationary_point_and_fuses_the_clusters(problem, lam, groups):
+@pytest.mark.parametrize("lam, groups, per_round", [(1.0, 2, 0), (0.5, 4, 0), (1.0, 2, 2)])
+def test_fpfc_scad_reaches_a_stationary_point_and_fuses_the_clusters(problem, lam, groups, per_round):
     """λ = 1: each cluster fuses (its joint optimum needs a pair force 0.18 ≤ λ/m = 0.25) and the
-    clusters, farther apart than aλ, exert no force; λ = 0.5 (force 0.125 < 0.18, 0.13) fuses neither."""
+    clusters, farther apart than aλ, exert no force; λ = 0.5 (force 0.125 < 0.18, 0.13) fuses neither.
+    ``per_round`` 2: half the devices each round (the server updates only their pairs) reach it too."""
     p, a = problem, 3.7
-    sim = simulator(p, "fpfc", steps=5, lr=LR, method__lam=lam, method__xi=0.0, method__a=a)
-    run_rounds(sim, 60)
+    sim = simulator(p, "fpfc", steps=5, lr=LR, per_round=per_round, method__lam=lam, method__xi=0.0, method__a=a)
+    run_rounds(sim, 60 if not per_round else 200)
     W = sim.method.W.double().numpy()
     residual, found = fusion_residual(p, W, lambda t: scad_derivative(t, lam, a), lam)
     assert residual < 1e-4 and found == groups

@@ -112,13 +112,16 @@ def test_apfl_simultaneous_updates_of_w_v_and_alpha(problem, mix, adaptive):
 
 # ---- Per-FedAvg ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("variant, tol", [("fo", 1e-5), ("exact", 1e-5), ("hf", 1e-3)])
-def test_perfedavg_meta_steps_on_quadratics(problem, variant, tol):
+@pytest.mark.parametrize("variant, tol, budget", [("fo", 1e-5, 0), ("exact", 1e-5, 0), ("hf", 1e-3, 0),
+                                                  ("hf", 1e-3, 6), ("fo", 1e-5, 6)])
+def test_perfedavg_meta_steps_on_quadratics(problem, variant, tol, budget):
     """Full batches: w ← w − β(I − αA)∇f(w − α∇f(w)) (the Hessian term drops for fo); the personal
-    model is one step of size α from the global model."""
-    p, alpha, beta, steps = problem, 0.1, 0.15, 2
-    sim = simulator(p, "perfedavg", steps=K, lr=LR, method__variant=variant, method__alpha=alpha,
-                    method__beta=beta, method__steps=steps)
+    model is one step of size α from the global model. ``budget``: no ``method.steps``, so a client
+    takes local_steps // (batches per meta step) meta steps — 3 batches for hf, 2 for fo."""
+    p, alpha, beta = problem, 0.1, 0.15
+    steps = {0: 2, 6: 6 // (3 if variant == "hf" else 2)}[budget]
+    sim = simulator(p, "perfedavg", steps=budget or K, lr=LR, method__variant=variant, method__alpha=alpha,
+                    method__beta=beta, method__steps=0 if budget else steps)
     theta0 = vec(sim.method.global_model)
 
     def meta(hessian):

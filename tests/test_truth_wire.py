@@ -68,17 +68,18 @@ def test_marina_with_the_identity_is_gradient_descent_on_the_mean_loss(problem):
     assert close(vec(sim.method.x), p.joint_opt(range(p.m)), 1e-5)
 
 
-def test_lag_skip_rule_and_stored_updates_by_hand(problem):
-    """A client skips when ‖Δ_i − Δ̂_i‖² ≤ (ξ/D)Σ of the last D squared model movements; the server
-    then reuses its stored Δ̂_i."""
+@pytest.mark.parametrize("eta", [1.0, 0.5])
+def test_lag_skip_rule_and_stored_updates_by_hand(problem, eta):
+    """A client skips when ‖Δ_i − Δ̂_i‖² ≤ (ξ/D)Σ of the last D squared model movements / η_g²; the
+    server then reuses its stored Δ̂_i and steps x ← x + η_g(avg − x)."""
     p, xi, D = problem, 0.6, 2
-    sim = simulator(p, "lag", steps=K, lr=0.05, method__xi=xi, method__history=D)
+    sim = simulator(p, "lag", steps=K, lr=0.05, method__xi=xi, method__history=D, method__server_lr=eta)
     x = vec(sim.method.global_model)
     stored: dict[int, np.ndarray] = {}
     movements: list[float] = []
     skips = 0
     for _ in range(8):
-        thr = xi / D * sum(movements[-D:])
+        thr = xi / D * sum(movements[-D:]) / eta**2
         used = []
         for i in range(p.m):
             delta = p.gd(i, x, K, 0.05) - x
@@ -87,7 +88,7 @@ def test_lag_skip_rule_and_stored_updates_by_hand(problem):
             else:
                 stored[i] = delta
             used.append(x + stored[i])
-        new = sum(w * u for w, u in zip(_weights(p), used))
+        new = x + eta * (sum(w * u for w, u in zip(_weights(p), used)) - x)
         movements.append(float(np.sum((new - x) ** 2)))
         x = new
     run_rounds(sim, 8)
