@@ -19,6 +19,7 @@ from .callbacks.tracking import config_params  # noqa: F401
 from .config import ExperimentConfig
 from .federation.loop import Callback, RoundLoop
 from .federation.drivers import simulator_for
+from .markdown import as_markdown
 from .tracking import Tracker
 
 log = logging.getLogger(__name__)
@@ -122,7 +123,7 @@ class TableRun:
                     writer.writerows(table)
                 self.parent.log_artifact(out / f"{name}{suffix}.csv")
             if text is not None:
-                (out / f"{name}.md").write_text(text + "\n")
+                (out / f"{name}.md").write_text(as_markdown(text) + "\n")  # rendered by MLflow
                 self.parent.log_artifact(out / f"{name}.md")
         self.parent.end("FINISHED")
 
