@@ -1,7 +1,7 @@
 """Communication compression table: accuracy and bytes of compressed FL and the seminar's methods.
 
     python pipelines/compression_table.py [--quick] [--only TEXT ...] [--target ACC] [--set key=value ...]
-                                          [--no-track] [--out DIR] [--quiet]
+                                          [--seeds 0 1 2] [--no-track] [--out DIR] [--quiet]
 
 Entries (docs/methods/seminar.md, docs/methods/compression.md; ``--only`` keeps the labels containing any TEXT):
 
@@ -22,9 +22,16 @@ bits), the ratio of their total to the uncompressed entry's, the total bytes at 
 that reached the target accuracy (``--target``; default: 95 % of the uncompressed FedAvg's — FPFC's on
 S1 — final accuracy), and whether the run was stable (FINISHED; a diverged run ends FAILED).
 
-MLflow: a parent run with the table (CSV, Markdown), one plot per scenario of test accuracy vs
-cumulative total bytes (``plots/accuracy_vs_uplink_<scenario>.png``) and each entry's headline
-metrics; one child run per entry (per-round metrics, config, its own plots). ``--quick`` shrinks
+Seeds (``--seeds``, default 0 1 2): every entry runs once per seed (pfl/seeds.py); the accuracy, the
+difference to the baseline (paired: same seed) and the bytes are mean ± std over the seeds, and ≈
+marks an entry whose accuracy is within the spread of its baseline's (|Δ| < the larger std). The
+target is computed per seed from that seed's reference run; a run that failed (diverged) is counted
+in "stable" and left out of the means.
+
+MLflow: a parent run with the table (CSV, Markdown; every run as ``compression_table_runs.csv``), one
+plot per scenario of test accuracy vs cumulative total bytes (the first seed's runs,
+``plots/accuracy_vs_uplink_<scenario>.png``) and each entry's headline metrics; one child run per
+entry and seed (per-round metrics, config, its own plots). ``--quick`` shrinks
 everything (6,000 Fashion-MNIST samples, 10 clients, 10 rounds; S1 with 20 devices and 40 rounds)
 to run in a few minutes.
 """
@@ -41,6 +48,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pfl.schema import ConfigError  # noqa: E402
+from pfl.seeds import add_seeds_argument  # noqa: E402
 from pfl.tracking import run_hint  # noqa: E402
 
 #: compression.* settings of the compressor rows (label → dotted overrides): uplink, downlink, both
@@ -117,8 +125,8 @@ def select(all_entries, only: list[str] | None):
     return [e for e in all_entries if any(matches(e[0], text) for text in only)]
 
 
-def build_configs(chosen, quick: bool, overrides: list[str], track: bool) -> dict:
-    """One validated config per entry (every error before any training)."""
+def build_configs(chosen, quick: bool, overrides: list[str], track: bool, seed: int | None = None) -> dict:
+    """One validated config per entry (every error before any training); ``seed`` replaces the scenario's."""
     from pfl.config import apply_overrides
     from pfl.resolver import resolve
     from pfl.tune.space import load_scenario
@@ -138,6 +146,8 @@ def build_configs(chosen, quick: bool, overrides: list[str], track: bool) -> dic
             fed["rounds"] = int(fed["rounds"]) * times
             fed["eval_every"] = int(fed.get("eval_every", 1)) * times
         raw = apply_overrides(raw, {"tracking.enabled": track, "tracking.log_model": False})
+        if seed is not None:
+            raw = apply_overrides(raw, {"seed": seed})
         try:
             configs[label] = resolve(raw)
         except ConfigError as err:
@@ -186,28 +196,56 @@ def plot_curves(curves: dict[str, list[tuple[float, float]]], targets: dict[str,
 
 
 def format_table(rows: list[dict]) -> str:
+    """``rows``: one summary per entry (mean/std over the seeds, :func:`summarize`)."""
     from pfl.runner import format_bytes
+    from pfl.seeds import fmt
 
-    def pct(v):
-        return "–" if v != v else f"{100 * v:.2f}"
-
-    lines = ["| entry | scenario | test acc | Δ acc (pt) | uplink | downlink | total ratio | total to target | "
-             "stable | rounds |", "|" + "---|" * 10]
+    lines = ["| entry | scenario | seeds | test acc % | Δ acc (pt, paired) | within spread | uplink | downlink | "
+             "total ratio | total to target | stable | rounds |", "|" + "---|" * 12]
     for r in rows:
-        delta = "–" if r["acc_delta"] != r["acc_delta"] else f"{100 * r['acc_delta']:+.2f}"
-        ratio = r["total_ratio"]
+        ratio = r["total_ratio_mean"]
         ratio = "–" if ratio != ratio else f"1/{1 / ratio:.1f}" if ratio else "0"
-        target = "not reached" if r["to_target"] != r["to_target"] else format_bytes(r["to_target"])
-        stable = "yes" if r["status"] == "FINISHED" else f"no ({r['status']})"
-        lines.append(f"| {r['entry']} | {r['scenario']} | {pct(r['test_acc'])} | {delta} | "
-                     f"{format_bytes(r['up_bytes'])} | {format_bytes(r['down_bytes'])} | {ratio} | {target} | "
+        target = "not reached" if r["to_target_mean"] != r["to_target_mean"] else format_bytes(r["to_target_mean"])
+        runs = r["seeds"] + r["failed"]
+        stable = "yes" if not r["failed"] else f"no ({r['failed']} of {runs} failed)"
+        lines.append(f"| {r['entry']} | {r['scenario']} | {r['seeds']} | {fmt(r['test_acc_mean'], r['test_acc_std'], 100)} | "
+                     f"{fmt(r['acc_delta_mean'], r['acc_delta_std'], 100)} | {r['mark']} | "
+                     f"{format_bytes(r['up_bytes_mean'])} | {format_bytes(r['down_bytes_mean'])} | {ratio} | {target} | "
                      f"{stable} | {r['rounds']} |")
     return "\n".join(lines)
 
 
+def summarize(records: list[dict]) -> list[dict]:
+    """Per entry: mean ± std over the seeds (pfl.seeds.aggregate: failed runs counted apart, never
+    averaged) and ≈ where its accuracy is within the spread of its baseline's; 'total to target' is the
+    mean over the seeds that reached it."""
+    from pfl.seeds import MARK, aggregate
+
+    numeric = [{"row": r["entry"], "seed": r["seed"], "status": r["status"], **{k: r[k] for k in
+               ("test_acc", "global_acc", "up_bytes", "down_bytes", "time_s", "up_ratio", "total_ratio",
+                "acc_delta", "to_target")}} for r in records]
+    summary = aggregate(numeric, key="test_acc", skip=("seed", "status"))
+    first = {r["entry"]: r for r in records}
+    by = {s["row"]: s for s in summary}
+    out = []
+    for s in summary:
+        meta = first[s["row"]]
+        base = by.get(meta["baseline"])
+        mark = ""
+        if base is not None and base is not s and s["seeds"] > 1:
+            spread = max(x for x in (s["test_acc_std"], base["test_acc_std"], 0.0) if x == x)
+            mark = MARK if abs(s["test_acc_mean"] - base["test_acc_mean"]) < spread else ""
+        out.append({"entry": s["row"], "scenario": meta["scenario"], "method": meta["method"],
+                    "compressor": meta["compressor"], "error_feedback": meta["error_feedback"],
+                    "baseline": meta["baseline"], "rounds": meta["rounds"], "seeds": s["seeds"],
+                    "failed": s["failed"], "mark": mark,
+                    **{k: v for k, v in s.items() if k.endswith(("_mean", "_std"))}})
+    return out
+
+
 def relative_columns(rows, chosen, finals, ups, totals, curves, target) -> dict[str, float]:
-    """Each row against its method's dense run (FedAvg's for the seminar entries), in place; returns the
-    target accuracy of each scenario."""
+    """Each row of one seed against its method's dense run (FedAvg's for the seminar entries), in
+    place; returns the target accuracy of each scenario."""
     targets = {}
     for scenario, ref in REFERENCE.items():
         targets[scenario] = target if target is not None else 0.95 * finals.get(ref, math.nan)
@@ -224,14 +262,14 @@ def relative_columns(rows, chosen, finals, ups, totals, curves, target) -> dict[
     return targets
 
 
-def write_partial(rows: list[dict], out: Path, total: int) -> None:
-    """``compression_table.partial.md`` / ``.csv`` in ``out``: the rows done so far, said to be partial."""
+def write_partial(records: list[dict], out: Path, total: int) -> None:
+    """``compression_table.partial.md`` / ``.csv`` in ``out``: the runs done so far, said to be partial."""
     import pandas as pd
 
     out.mkdir(parents=True, exist_ok=True)
-    pd.DataFrame(rows).to_csv(out / "compression_table.partial.csv", index=False)
-    head = f"PARTIAL: {len(rows)} of {total} entries done\n\n" if len(rows) < total else ""
-    (out / "compression_table.partial.md").write_text(head + format_table(rows) + "\n")
+    pd.DataFrame(records).to_csv(out / "compression_table.partial.csv", index=False)
+    head = f"PARTIAL: {len(records)} of {total} runs done\n\n" if len(records) < total else ""
+    (out / "compression_table.partial.md").write_text(head + format_table(summarize(records)) + "\n")
 
 
 def _data_key(cfg) -> str:
@@ -241,63 +279,78 @@ def _data_key(cfg) -> str:
 
 
 def run(only: list[str] | None = None, quick: bool = False, overrides: list[str] | None = None,
-        target: float | None = None, track: bool = True, out: str | Path | None = None, progress=print) -> dict:
+        target: float | None = None, track: bool = True, out: str | Path | None = None, progress=print,
+        seeds=(0, 1, 2)) -> dict:
     import tempfile
 
     import pandas as pd
 
     from pfl.data import load_federated
     from pfl.runner import TableRun
+    from pfl.seeds import check_seeds
 
     chosen = select(entries(), only)
     if not chosen:
         raise ConfigError("--only", f"no entry matches {only}; entries: {', '.join(e[0] for e in entries())}")
-    configs = build_configs(chosen, quick, list(overrides or []), track)
+    seeds = check_seeds(seeds)
+    per_seed = {seed: build_configs(chosen, quick, list(overrides or []), track, seed) for seed in seeds}
     parent = TableRun("compression_table" + ("-quick" if quick else ""), track=track,
-                      params={"entries": ",".join(configs), "quick": quick, "target": target,
-                              "overrides": " ".join(overrides or [])})
-    datasets: dict[str, object] = {}
-    rows, curves = [], {s: {} for s in SCENARIOS}
-    finals: dict[str, float] = {}
-    ups: dict[str, float] = {}
-    totals: dict[str, float] = {}
-    for label, scenario, comp, _ in chosen:
-        cfg = configs[label]
-        key = _data_key(cfg)
-        if key not in datasets:
-            datasets[key] = load_federated(cfg.data, cfg.seed)
-        if progress:
-            progress(f"== {label} ({SCENARIOS[scenario][0]}) ==")
-        start = time.perf_counter()
-        summary = parent.run(label, cfg, progress=progress, data=datasets[key])
-        f = summary.final
-        finals[label] = f.get("test/acc_mean", math.nan)
-        ups[label] = f.get("comm/up_bytes", math.nan)
-        totals[label] = f.get("comm/total_bytes", math.nan)
-        curves[scenario][label] = curve(summary.history)
-        rows.append({"entry": label, "scenario": SCENARIOS[scenario][0], "method": cfg.method.name,
-                     "compressor": comp, "error_feedback": cfg.compression.error_feedback,
-                     "test_acc": finals[label], "global_acc": f.get("global/test_acc", math.nan),
-                     "up_bytes": ups[label], "down_bytes": f.get("comm/down_bytes", math.nan),
-                     "rounds": cfg.federation.rounds, "time_s": time.perf_counter() - start,
-                     "status": summary.status, "run_id": summary.run_id or ""})
-        targets = relative_columns(rows, chosen, finals, ups, totals, curves, target)
-        if out:  # the entries so far, so that a run cut off still leaves what it measured (marked partial)
-            write_partial(rows, Path(out), len(chosen))
-    for row in rows:
+                      params={"entries": ",".join(per_seed[seeds[0]]), "quick": quick, "target": target,
+                              "overrides": " ".join(overrides or []), "seeds": " ".join(map(str, seeds))})
+    records = []
+    plotted: dict[str, dict] = {s: {} for s in SCENARIOS}
+    targets_by_seed: dict[int, dict[str, float]] = {}
+    for seed in seeds:
+        configs = per_seed[seed]
+        datasets: dict[str, object] = {}
+        rows, curves = [], {s: {} for s in SCENARIOS}
+        finals: dict[str, float] = {}
+        ups: dict[str, float] = {}
+        totals: dict[str, float] = {}
+        for label, scenario, comp, _ in chosen:
+            cfg = configs[label]
+            key = _data_key(cfg)
+            if key not in datasets:
+                datasets[key] = load_federated(cfg.data, cfg.seed)
+            if progress:
+                progress(f"== {label} ({SCENARIOS[scenario][0]}, seed {seed}) ==")
+            start = time.perf_counter()
+            summary = parent.run(f"{label} [seed {seed}]", cfg, progress=progress, data=datasets[key])
+            f = summary.final
+            finals[label] = f.get("test/acc_mean", math.nan)
+            ups[label] = f.get("comm/up_bytes", math.nan)
+            totals[label] = f.get("comm/total_bytes", math.nan)
+            curves[scenario][label] = curve(summary.history)
+            rows.append({"entry": label, "seed": seed, "scenario": SCENARIOS[scenario][0], "method": cfg.method.name,
+                         "compressor": comp, "error_feedback": cfg.compression.error_feedback,
+                         "test_acc": finals[label], "global_acc": f.get("global/test_acc", math.nan),
+                         "up_bytes": ups[label], "down_bytes": f.get("comm/down_bytes", math.nan),
+                         "rounds": cfg.federation.rounds, "time_s": time.perf_counter() - start,
+                         "status": summary.status, "run_id": summary.run_id or ""})
+            targets = relative_columns(rows, chosen, finals, ups, totals, curves, target)
+            if out:  # the runs so far, so that a run cut off still leaves what it measured (marked partial)
+                write_partial(records + rows, Path(out), len(chosen) * len(seeds))
+        records += rows
+        targets_by_seed[seed] = targets
+        if seed == seeds[0]:
+            plotted = curves
+    table = summarize(records)
+    for row in table:
         safe = row["entry"].replace("/", ".").replace("+", "_and_")  # MLflow metric names take no '+'
-        parent.log_metrics({f"{safe}.test_acc": row["test_acc"], f"{safe}.up_bytes": row["up_bytes"]})
-    text = format_table(rows)
+        parent.log_metrics({f"{safe}.test_acc": row["test_acc_mean"], f"{safe}.up_bytes": row["up_bytes_mean"]})
+    text = format_table(table)
+    targets = targets_by_seed[seeds[0]]
     with tempfile.TemporaryDirectory() as tmp:
-        for scenario, drawn in curves.items():
+        for scenario, drawn in plotted.items():
             if drawn:
                 path = plot_curves(drawn, targets, scenario, Path(tmp) / f"accuracy_vs_uplink_{scenario}.png")
                 parent.parent.log_artifact(path, "plots")
                 if out:
                     Path(out).mkdir(parents=True, exist_ok=True)
                     (Path(out) / path.name).write_bytes(path.read_bytes())
-        parent.finish(rows, "compression_table", text, outdir=out)
-    return {"table": pd.DataFrame(rows), "markdown": text, "parent_run_id": parent.run_id, "targets": targets}
+        parent.finish(table, "compression_table", text, outdir=out, runs=records)
+    return {"table": pd.DataFrame(table), "runs": pd.DataFrame(records), "markdown": text,
+            "parent_run_id": parent.run_id, "targets": targets, "targets_by_seed": targets_by_seed}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -316,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
                                       "after every entry the rows so far (compression_table.partial.*)")
     parser.add_argument("--quiet", action="store_true", help="no per-round progress lines")
     parser.add_argument("--list", action="store_true", help="list the entries and exit")
+    add_seeds_argument(parser)
     args = parser.parse_args(argv)
     if args.list:
         for label, scenario, _, settings in entries():
@@ -323,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         result = run(args.only, args.quick, args.set, args.target, track=not args.no_track, out=args.out,
-                     progress=None if args.quiet else print)
+                     progress=None if args.quiet else print, seeds=args.seeds)
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2

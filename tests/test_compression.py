@@ -391,15 +391,16 @@ def test_compression_table_pipeline_logs_parent_table_plot_and_children(tmp_path
         ["fedavg/none", "fedavg/qsgd_s7", "fedavg/qsgd_s1+", "diana/"], quick=True,
         overrides=["data.source=digits", "data.max_samples=null", "data.num_clients=6", "federation.rounds=2",
                    "federation.clients_per_round=3", "federation.eval_every=1"],
-        out=tmp_path, progress=None)
+        out=tmp_path, progress=None, seeds=[0])
     table = result["table"].set_index("entry")
     assert list(table.index) == ["fedavg/none", "fedavg/qsgd_s7", "fedavg/qsgd_s1+down_qsgd_s7", "diana/qsgd_s1"]
-    assert (table["status"] == "FINISHED").all()
-    assert table.loc["fedavg/none", "up_ratio"] == 1.0
-    assert table.loc["fedavg/qsgd_s7", "up_ratio"] < 1 / 6
+    assert (result["runs"]["status"] == "FINISHED").all() and (table["seeds"] == 1).all()
+    assert (table["failed"] == 0).all()
+    assert table.loc["fedavg/none", "up_ratio_mean"] == 1.0
+    assert table.loc["fedavg/qsgd_s7", "up_ratio_mean"] < 1 / 6
     assert table.loc["diana/qsgd_s1", "baseline"] == "fedavg/none"
-    assert table.loc["diana/qsgd_s1", "up_bytes"] < table.loc["fedavg/qsgd_s7", "up_bytes"]
-    assert result["targets"]["fmnist"] == pytest.approx(0.95 * table.loc["fedavg/none", "test_acc"])
+    assert table.loc["diana/qsgd_s1", "up_bytes_mean"] < table.loc["fedavg/qsgd_s7", "up_bytes_mean"]
+    assert result["targets"]["fmnist"] == pytest.approx(0.95 * table.loc["fedavg/none", "test_acc_mean"])
     assert (tmp_path / "compression_table.md").read_text().count("\n") == 6
     # the rows so far after every entry; all of them at the end, so not marked partial
     assert (tmp_path / "compression_table.partial.md").read_text() == (tmp_path / "compression_table.md").read_text()
@@ -411,8 +412,8 @@ def test_compression_table_pipeline_logs_parent_table_plot_and_children(tmp_path
     assert "plots/accuracy_vs_uplink_fmnist.png" in {a.path for a in mc.list_artifacts(parent.info.run_id, "plots")}
     children = mc.search_runs([parent.info.experiment_id],
                               filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
-    assert sorted(r.info.run_name for r in children) == ["diana/qsgd_s1", "fedavg/none", "fedavg/qsgd_s1+down_qsgd_s7",
-                                                         "fedavg/qsgd_s7"]
+    assert sorted(r.info.run_name for r in children) == ["diana/qsgd_s1 [seed 0]", "fedavg/none [seed 0]",
+                                                         "fedavg/qsgd_s1+down_qsgd_s7 [seed 0]", "fedavg/qsgd_s7 [seed 0]"]
     assert all("comm/up_bytes" in r.data.metrics for r in children)
     assert "fedavg.qsgd_s7.up_bytes" in parent.data.metrics
     assert "fedavg.qsgd_s1_and_down_qsgd_s7.test_acc" in parent.data.metrics

@@ -128,7 +128,7 @@ def test_lambda_zero_is_local_exactly():
                   federation__clients_per_round=4, federation__rounds=3)
     local = Simulator(small_config(method__name="local", **common))
     run_rounds(local)
-    arch = [{"name": "mlp", "params": {"hidden": [16]}}]  # = model.name/params: Local's model and init
+    arch = []  # the default: model.name/params, Local's model and init
     ckt = Simulator(ckt_config(method__lam=0.0, method__architectures=arch, **common))
     run_rounds(ckt)
     assert ckt.ledger.up_bytes > 0  # it still talked, but the talk had no effect
@@ -208,11 +208,37 @@ def test_artifacts_and_resume(tmp_path):
     assert [int(r["cluster"]) for r in rows] == straight.method.assign.tolist()
 
 
-def test_public_set_same_heldout_avoids_client_samples_when_possible():
-    with_pool = Simulator(ckt_config(data__max_samples=600, method__public_size=200)).method.public
-    assert not with_pool.overlap and len(with_pool) == 200
-    whole = Simulator(ckt_config(method__public_size=5000)).method.public
-    assert whole.overlap and len(whole) == 1797  # digits has 1,797 samples: capped, overlapping
+def _rows_held_by_clients(sim, x_pub):
+    """How many public rows equal some client's sample (train, val or test), by content."""
+    held = {tuple(row.tolist()) for c in sim.data.clients for x in (c.x_train, c.x_val, c.x_test) for row in x}
+    return sum(tuple(row.tolist()) in held for row in x_pub)
+
+
+def test_public_set_is_disjoint_from_client_data_by_default_and_counts_its_overlap(caplog):
+    sim = Simulator(ckt_config(data__max_samples=600, method__public_size=200))
+    pub = sim.method.public
+    assert pub.overlap == 0 and len(pub) == 200
+    assert _rows_held_by_clients(sim, pub.x) == 0                 # checked by content, not by index
+    run_rounds(sim)
+    assert sim.history[-1]["ckt/public_overlap"] == 0.0
+    # fewer unused samples than asked for: the smaller disjoint pool, with a warning
+    with caplog.at_level("WARNING", logger="pfl.methods.public_set"):
+        small = Simulator(ckt_config(data__max_samples=1700, method__public_size=500)).method.public
+    assert small.overlap == 0 and len(small) == 1797 - 1700 and "held by no client" in caplog.text
+    # the partition uses every sample: the overlap cannot be zero, is counted and warned about
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="pfl.methods.public_set"):
+        whole = Simulator(ckt_config(method__public_size=300))
+    assert whole.method.public.overlap == 300 == _rows_held_by_clients(whole, whole.method.public.x)
+    assert "belongs to a client" in caplog.text
+
+
+def test_default_architecture_is_the_runs_model():
+    sim = Simulator(small_config(method__name="perfed_ckt", model__name="mlp", model__params={"hidden": [16]},
+                                 method__public_size=40, data__max_samples=600))
+    archs = {type(sim.client_role.client_model(c)).__name__ for c in range(sim.num_clients)}
+    assert archs == {"MLP"} and [a.name for a in sim.method.archs] == ["mlp"]
+    assert sim.method.archs[0].params == {"hidden": [16]}
 
 
 # ---- the regulariser ---------------------------------------------------------------------------------

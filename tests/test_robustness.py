@@ -277,29 +277,34 @@ def test_robustness_pipeline_logs_parent_table_plots_and_children(tmp_path):
     from pfl.tracking import client
 
     result = robustness.run(["s1"], ["fpfc", "fedavg"], ["gaussian"], [0.0, 0.4], rounds=2, overrides=TINY_S1,
-                            experiment="robustness_test", out=tmp_path, progress=None)
+                            experiment="robustness_test", out=tmp_path, progress=None, seeds=[0, 1])
     rows = result["rows"]
-    assert [(r["method"], r["attack"], r["fraction"]) for r in rows] == [
-        ("fpfc", "none", 0.0), ("fpfc", "gaussian", 0.4), ("fedavg", "none", 0.0), ("fedavg", "gaussian", 0.4)]
+    assert [(r["method"], r["attack"], r["fraction"], r["seed"]) for r in rows] == [
+        (m, a, f, s) for s in (0, 1) for m in ("fpfc", "fedavg") for a, f in (("none", 0.0), ("gaussian", 0.4))]
     assert all(r["status"] == "FINISHED" for r in rows)
-    assert [r["benign_clients"] for r in rows] == [12, 7, 12, 7]          # round(12 · 0.4) = 5 malicious
-    assert "| fpfc |" in result["table"] and len(result["drops"]) == 2
+    assert [r["benign_clients"] for r in rows[:4]] == [12, 7, 12, 7]          # round(12 · 0.4) = 5 malicious
+    cell = result["cells"][("s1|gaussian|0.4", "fpfc")]
+    by_seed = [r["benign_acc"] for r in rows if (r["method"], r["fraction"]) == ("fpfc", 0.4)]
+    assert cell["seeds"] == 2 and cell["benign_acc_mean"] == pytest.approx(sum(by_seed) / 2)
+    assert "| fpfc |" in result["table"] and "±" in result["table"] and len(result["drops"]) == 2
     assert (tmp_path / "robustness_table.md").is_file() and (tmp_path / "benign_acc_vs_fraction_gaussian.png").is_file()
     mc = client()
     parent = mc.get_run(result["parent_run_id"])
     top = {a.path for a in mc.list_artifacts(parent.info.run_id)}
-    assert {"robustness_table.csv", "robustness_table.md", "plots"} <= top
+    assert {"robustness_table.csv", "robustness_table.md", "robustness_table_runs.csv", "plots"} <= top
     plots = {a.path for a in mc.list_artifacts(parent.info.run_id, "plots")}
     assert plots == {"plots/benign_acc_vs_fraction_gaussian.png"}
     children = mc.search_runs([parent.info.experiment_id],
                               filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
     names = {r.info.run_name: r for r in children}
-    assert set(names) == {"s1/fpfc/clean", "s1/fpfc/gaussian/0.4", "s1/fedavg/clean", "s1/fedavg/gaussian/0.4"}
-    attacked = names["s1/fpfc/gaussian/0.4"]
+    assert set(names) == {f"s1/{m}/{p}/seed{s}" for m in ("fpfc", "fedavg") for p in ("clean", "gaussian/0.4")
+                          for s in (0, 1)}
+    attacked = names["s1/fpfc/gaussian/0.4/seed0"]
     assert attacked.data.metrics["attack/benign_clients"] == 7
     assert attacked.data.params["attack.kind"] == "gaussian" and attacked.data.params["method.lam"] == "0.6"
+    assert attacked.data.params["seed"] == "0" and names["s1/fpfc/gaussian/0.4/seed1"].data.params["seed"] == "1"
     assert "attack_malicious.csv" in {a.path for a in mc.list_artifacts(attacked.info.run_id)}
-    assert "attack/benign_clients" not in names["s1/fpfc/clean"].data.metrics
+    assert "attack/benign_clients" not in names["s1/fpfc/clean/seed0"].data.metrics
 
 
 def test_robustness_pipeline_cli_rejects_bad_input():
@@ -318,23 +323,28 @@ def test_newcomers_pipeline_prints_table_3_beside_the_paper(tmp_path):
     from pfl.tracking import client
 
     result = newcomers.run(["s1"], ["local", "fpfc"], rounds=2, join_rounds=2, overrides=TINY_S1,
-                           experiment="newcomers_test", out=tmp_path, progress=None)
-    rows = {r["method"]: r for r in result["rows"]}
-    assert set(rows) == {"local", "fpfc"} and all(r["status"] == "FINISHED" for r in rows.values())
-    assert rows["fpfc"]["paper_acc"] == 0.7931 and rows["local"]["paper_acc"] == 0.79
-    assert 0 <= rows["fpfc"]["acc"] <= 1 and rows["fpfc"]["ari"] == rows["fpfc"]["ari"]   # a number
-    assert rows["local"]["join_steps"] == 2 and rows["local"]["join_bytes"] == 0
-    assert "79.31 (0.08)" in result["table"]
+                           experiment="newcomers_test", out=tmp_path, progress=None, seeds=[0, 1])
+    runs = result["rows"]
+    assert len(runs) == 4 and all(r["status"] == "FINISHED" for r in runs)
+    rows = {r["row"]: r for r in result["summary"]}
+    assert set(rows) == {"local", "fpfc"} and rows["fpfc"]["seeds"] == 2
+    assert rows["fpfc"]["acc_mean"] == pytest.approx(sum(r["acc"] for r in runs if r["method"] == "fpfc") / 2)
+    assert runs[0]["paper_acc"] == 0.79 and 0 <= rows["fpfc"]["acc_mean"] <= 1
+    assert rows["fpfc"]["ari_mean"] == rows["fpfc"]["ari_mean"]   # a number
+    assert rows["local"]["join_steps_mean"] == 2 and rows["local"]["join_bytes_mean"] == 0
+    assert rows["local"]["test_n_mean"] > 0
+    assert "79.31 (0.08)" in result["table"] and "±" in result["table"]
     mc = client()
     parent = mc.get_run(result["parent_run_id"])
-    assert {"newcomers_table.csv", "newcomers_table.md"} <= {a.path for a in mc.list_artifacts(parent.info.run_id)}
+    assert {"newcomers_table.csv", "newcomers_table.md", "newcomers_table_runs.csv"} <= {
+        a.path for a in mc.list_artifacts(parent.info.run_id)}
     children = mc.search_runs([parent.info.experiment_id],
                               filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
     by = {r.info.run_name: r for r in children}
-    assert set(by) == {"s1/local", "s1/fpfc"}
-    assert by["s1/fpfc"].data.params["newcomers.fraction"] == "0.2"
-    assert "newcomer/acc_mean" in by["s1/fpfc"].data.metrics and "newcomer/ari" in by["s1/fpfc"].data.metrics
-    assert "newcomers.csv" in {a.path for a in mc.list_artifacts(by["s1/fpfc"].info.run_id)}
+    assert set(by) == {f"s1/{m}/seed{s}" for m in ("local", "fpfc") for s in (0, 1)}
+    assert by["s1/fpfc/seed0"].data.params["newcomers.fraction"] == "0.2"
+    assert "newcomer/acc_mean" in by["s1/fpfc/seed0"].data.metrics and "newcomer/ari" in by["s1/fpfc/seed0"].data.metrics
+    assert "newcomers.csv" in {a.path for a in mc.list_artifacts(by["s1/fpfc/seed0"].info.run_id)}
 
 
 def test_attack_and_newcomer_metrics_are_in_the_sweep_catalog():
