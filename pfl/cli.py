@@ -7,6 +7,7 @@ import logging
 import sys
 from typing import Sequence
 
+from .federation.store import StoreError
 from .schema import ConfigError, describe
 
 
@@ -161,6 +162,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
+    except StoreError as err:  # client states or a checkpoint could not be written: the path and why
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

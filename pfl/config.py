@@ -99,6 +99,23 @@ class FederationConfig:
                                   "(the run's device), 'cpu' (host memory, moved in for each step), or "
                                   "'auto' (the device, unless every client's state would not fit in half "
                                   "of its free memory)", choices=("auto", "device", "cpu"))
+    client_store: str = hp("auto", "where per-client state and client data live: 'memory' (every client's state "
+                           "and data in memory, data built at start), 'disk' (states in files under "
+                           "client_store_dir, a client's data built when it is sampled; only the clients of a "
+                           "step, recent data and a write buffer within client_memory_gb stay in memory), or "
+                           "'auto' (memory while every client's state, at least one model copy each, and data "
+                           "fit in client_memory_gb); results are the same bit for bit",
+                           choices=("auto", "memory", "disk"))
+    client_memory_gb: float | None = hp(None, "memory budget of client state and data (GiB) for client_store "
+                                              "auto/disk; null = a quarter of the machine's physical memory",
+                                        low=0.0, low_open=True)
+    client_store_dir: str | None = hp(None, "folder for a disk store's files (a subfolder per run, removed when "
+                                            "the run's process ends; checkpoints keep their own links); null = "
+                                            "$PFL_STORE_DIR, else the system's temporary folder")
+    eval_clients: float = hp(0.0, "clients evaluated at the evaluation rounds before the last: 0 = every "
+                                  "client; a fraction (0 < x < 1) or a count (x >= 1) of the members, drawn "
+                                  "once from the run's seed, the same every time; the final evaluation always "
+                                  "covers every client", low=0.0)
     threads: int = hp(1, "torch CPU threads of the run (1: federated clients train small models on small "
                          "batches, which gain little from more threads, and several threads slow to a crawl "
                          "when other jobs share the cores; 0: torch's default, one per core)", low=0)
@@ -109,11 +126,18 @@ class FederationConfig:
                      choices=("auto", "sequential", "vectorized"))
     cohort_chunk: int = hp(0, "at most this many clients in one batched computation (memory); 0 = all sampled",
                            low=0)
+    stages: list = hp(default_factory=lambda: ["attack", "compression"],
+                      doc="the order of the wire's stages (pfl/federation/wire.py): a sender runs them first to "
+                          "last, a receiver last to first; [attack, compression] puts a Byzantine client behind "
+                          "compressed uplinks, [compression, attack] lets it rewrite its encoded message")
     driver: str = hp("sync", "round driver: 'sync' (sampled cohorts) or 'async' (event-driven: simulated "
                              "device delays, the server updates on every arrival; methods with an "
                              "asynchronous form only)", choices=("sync", "async"))
 
     def validate(self, path: str) -> None:
+        if self.eval_clients >= 1 and self.eval_clients != int(self.eval_clients):
+            raise ConfigError(f"{path}.eval_clients", f"{self.eval_clients} is neither a fraction (0 < x < 1) "
+                                                      "nor a whole number of clients; allowed: 0, (0, 1), 1, 2, ...")
         dev = self.device
         if not (dev in ("cpu", "cuda", "auto", "mps") or (dev.startswith("cuda:") and dev[5:].isdigit())):
             raise ConfigError(f"{path}.device", f"{dev!r} is not a device; allowed: cpu, cuda, cuda:N, mps, auto")
@@ -178,10 +202,11 @@ class MethodConfig:
 class CompressionConfig:
     """Message compression at the delivery boundary (``pfl compressors`` lists names and parameters;
     :mod:`pfl.compression.codec` says what is encoded relative to what)."""
-    uplink: dict = hp(default_factory=lambda: {"name": "none"},
+    # a {name, ...params} mapping in YAML; after pfl.resolver.resolve a typed CompressorSpec
+    uplink: Any = hp(default_factory=lambda: {"name": "none"},
                       doc="compressor of the client → server messages: {name, ...params}, e.g. "
                           "{name: qsgd, s: 7}; the update (received → trained) is compressed per tensor")
-    downlink: dict = hp(default_factory=lambda: {"name": "none"},
+    downlink: Any = hp(default_factory=lambda: {"name": "none"},
                         doc="compressor of the server → client messages (the change since the client's "
                             "copy, per tensor)")
     error_feedback: bool = hp(False, "uplink error feedback: each client keeps the compression error in its "
@@ -289,7 +314,12 @@ def parse_yaml_file(path: str | Path, what: str = "config") -> Any:
     if not p.is_file():
         raise ConfigError(what, f"no such file: {p}")
     try:
-        return yaml.safe_load(p.read_text())
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(what, f"{p}: not UTF-8 text (byte {err.object[err.start]:#04x} at offset "
+                                f"{err.start}); save the file as UTF-8") from None
+    try:
+        return yaml.safe_load(text)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f"{p}:{mark.line + 1}" if mark is not None else str(p)

@@ -121,9 +121,11 @@ def encode(params: Mapping[str, torch.Tensor], layers: Mapping[str, LayerSVT]) -
 
 
 def decode(msg: Message | Mapping) -> Params:
-    """Dense tensors from message entries, undoing the matrix view of every LowRank payload."""
+    """Dense tensors from a one-part message (or its entries), undoing the matrix view of every
+    LowRank payload."""
+    entries = next(iter(msg.parts.values())).entries if isinstance(msg, Message) and msg.parts else msg
     out: Params = {}
-    for name, entry in msg.items():
+    for name, entry in entries.items():
         if isinstance(entry, LowRank):
             product = entry.dense()
             out[name] = product if entry.shape is None else from_matrix(product, entry.shape)

@@ -39,9 +39,11 @@ def reported_metrics(cfg) -> tuple[str, ...]:
         names += ATTACK_METRICS
     if cfg.newcomers.fraction > 0:
         names += NEWCOMER_METRICS
+    if cfg.federation.eval_clients:
+        names.append("eval/clients")  # how many clients an evaluation covered (the sample, or everyone at the end)
     if cfg.federation.cohort != "sequential":
         names.append("cohort/sequential_clients")  # clients a batched cohort ran alone (pfl.federation.cohort)
-    if any(spec.get("name") in ("fp16", "bf16") for spec in (cfg.compression.uplink, cfg.compression.downlink)):
+    if any(spec.name in ("fp16", "bf16") for spec in (cfg.compression.uplink, cfg.compression.downlink)):
         names.append("comm/fp16_flushed")  # pfl.compression.codec: non-zeros a half-precision encoding lost
     return tuple(dict.fromkeys(names))
 

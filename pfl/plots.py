@@ -46,7 +46,7 @@ def _finish(fig, ax, path: str | Path, title: str, legend: bool) -> Path:
     ax.grid(alpha=0.3)
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path)
+    fig.savefig(path, metadata={"Title": title} if title else None)  # the title readable without looking
     plt.close(fig)
     return path
 
@@ -75,11 +75,15 @@ def plot_history(history: Sequence[dict], path: str | Path, x_key: str = "step",
 
 
 def plot_curves(curves: Mapping[str, tuple[Sequence[float], Sequence[float]]], path: str | Path,
-                ylabel: str, xlabel: str = "round", title: str = "") -> Path:
-    """One line per labelled (steps, values) series, e.g. every trial of a sweep."""
+                ylabel: str, xlabel: str = "round", title: str = "", best: str | None = None) -> Path:
+    """One line per labelled (steps, values) series, e.g. every trial of a sweep, in the mapping's
+    order (the legend's); ``best`` names the series drawn thicker and marked as the best."""
     fig, ax = plt.subplots(figsize=(7.2, 4.4), dpi=100)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     for (label, (xs, ys)), style in zip(curves.items(), line_styles()):
+        if label == best:
+            style = dict(style, linewidth=2.6, zorder=3)
+            label = f"{label} (best)"
         ax.plot(xs, ys, label=label, markersize=4, **dict(style, marker=style["marker"] if len(xs) < 40 else None))
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)

@@ -16,11 +16,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .compression import resolve_spec
-from .compression.checks import check_method_compression
+from .compression.checks import check_method_compression, resolve_compression
 from .config import (SECTIONS, AttackConfig, CompressionConfig, DataConfig, ExperimentConfig, FederationConfig,
                      ModelConfig, NewcomersConfig, TrackingConfig, apply_overrides, read_yaml, round_share)
 from .data import resolve_data_config
+from .federation import attacks  # noqa: F401  (registers the attack stage)
+from .federation.wire import stage_names
 from .methods import get_method, list_methods, resolve_method_config
 from .models import resolve_model_config
 from .plugins import load_plugins
@@ -50,13 +51,16 @@ def resolve(raw: dict | None) -> ExperimentConfig:
     federation = from_dict(FederationConfig, raw.get("federation"), "federation")
     tracking = from_dict(TrackingConfig, raw.get("tracking"), "tracking")
     compression = from_dict(CompressionConfig, raw.get("compression"), "compression")
-    compression.uplink = resolve_spec(compression.uplink, "compression.uplink")
-    compression.downlink = resolve_spec(compression.downlink, "compression.downlink")
+    resolve_compression(compression)
     attack = from_dict(AttackConfig, raw.get("attack"), "attack")
     newcomers = from_dict(NewcomersConfig, raw.get("newcomers"), "newcomers")
     cfg = ExperimentConfig(seed=seed, plugins=plugins, data=data, model=model, method=method, federation=federation,
                            tracking=tracking, compression=compression, attack=attack, newcomers=newcomers)
     resolve_model_config(cfg)
+    names = stage_names()
+    if sorted(federation.stages) != sorted(names):
+        raise ConfigError("federation.stages", f"must name each of {', '.join(names)} once, in the order the "
+                                               f"sender runs them; got {federation.stages}")
     check_method_compression(cfg, get_method(name))
     _check_attack_and_newcomers(cfg)
     if federation.driver == "async" and not get_method(name).supports_async:
@@ -74,16 +78,6 @@ def _check_attack_and_newcomers(cfg: ExperimentConfig) -> None:
         if not cls.attackable_uplink:
             raise ConfigError("attack.kind", f"method {cfg.method.name!r} uploads no model ({cls.uplink_note}); "
                                              "the attacks rewrite model uploads, so use attack.kind=none")
-        # an attacker replaces plain uplink tensors; an encoded uplink (the codec's, or one a method
-        # builds inside its protocol) would need the attack before the encoding: not supported
-        if cls.compresses_uplink:
-            raise ConfigError("attack.kind", f"method {cfg.method.name!r} encodes its own uplink (compresses inside "
-                                             "its protocol); the attacks rewrite plain model uploads, so use "
-                                             "attack.kind=none")
-        if cfg.compression.uplink.get("name", "none") != "none":
-            raise ConfigError("attack.kind", "the attacks rewrite plain model uploads and do not combine with "
-                                             f"compression.uplink ({cfg.compression.uplink['name']!r}); use "
-                                             "attack.kind=none or compression.uplink={name: none}")
     if getattr(cfg.method.hparams, "aggregator", "mean") != "mean" and cls.compresses_uplink:
         # DIANA, LAG inherit FedAvg's keys but combine their own encoded updates, not through reply_average
         raise ConfigError("method.aggregator", f"method {cfg.method.name!r} combines the encoded updates of its "

@@ -19,6 +19,7 @@ from .callbacks.tracking import config_params  # noqa: F401
 from .config import ExperimentConfig
 from .federation.loop import Callback, RoundLoop
 from .federation.drivers import simulator_for
+from .markdown import as_markdown
 from .tracking import Tracker
 
 log = logging.getLogger(__name__)
@@ -106,19 +107,23 @@ class TableRun:
         self.parent.log_metrics(metrics, step=step)
 
     def finish(self, rows: list[dict], name: str, text: str | None = None,
-               outdir: str | Path | None = None) -> None:
+               outdir: str | Path | None = None, runs: list[dict] | None = None) -> None:
+        """Log ``rows`` as ``<name>.csv``, ``text`` as ``<name>.md`` and, when given, every single
+        run of a comparison over seeds as ``<name>_runs.csv`` (pfl.seeds); end the parent run."""
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(outdir) if outdir else Path(tmp)
             out.mkdir(parents=True, exist_ok=True)
-            if rows:
-                fields = list(dict.fromkeys(k for row in rows for k in row))
-                with (out / f"{name}.csv").open("w", newline="") as fh:
+            for table, suffix in ((rows, ""), (runs or [], "_runs")):
+                if not table:
+                    continue
+                fields = list(dict.fromkeys(k for row in table for k in row))
+                with (out / f"{name}{suffix}.csv").open("w", newline="") as fh:
                     writer = csv.DictWriter(fh, fieldnames=fields)
                     writer.writeheader()
-                    writer.writerows(rows)
-                self.parent.log_artifact(out / f"{name}.csv")
+                    writer.writerows(table)
+                self.parent.log_artifact(out / f"{name}{suffix}.csv")
             if text is not None:
-                (out / f"{name}.md").write_text(text + "\n")
+                (out / f"{name}.md").write_text(as_markdown(text) + "\n")  # rendered by MLflow
                 self.parent.log_artifact(out / f"{name}.md")
         self.parent.end("FINISHED")
 

@@ -212,7 +212,10 @@ def check(obj: Any, path: str = "") -> None:
 
 
 def to_dict(obj: Any) -> Any:
-    """Plain-data view (dicts, lists, scalars) of a dataclass tree, suitable for YAML."""
+    """Plain-data view (dicts, lists, scalars) of a dataclass tree, suitable for YAML (an object
+    with its own ``to_dict`` gives that)."""
+    if callable(getattr(obj, "to_dict", None)) and not isinstance(obj, type):
+        return obj.to_dict()
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, (list, tuple)):

@@ -24,8 +24,8 @@ from typing import Any, Mapping
 
 import yaml
 
-from .tracking_store import (GuardedClient, local_location, location_warning, preflight, store_kind, store_lost,
-                             view_hint)
+from .tracking_store import (SAVED_VIEW_TAG, GuardedClient, experiment_url, local_location, location_warning,
+                             preflight, saved_view, store_kind, store_lost, view_hint)
 from .tracking_store import worker_environment as _worker_environment
 
 log = logging.getLogger(__name__)
@@ -190,6 +190,22 @@ def run_hint(run_id: str, what: str = "MLflow parent run") -> str:
         except Exception:  # the hint still names the run; MLflow's run route finds its experiment
             pass
     return view_hint(run_id, experiment, uri, what)
+
+
+def runs_table_view(run_id: str, key: str, columns: list[tuple[str, str]], name: str = "") -> str:
+    """Save a view of the run's experiment that shows ``columns`` ((kind, key) pairs, e.g.
+    ``("metrics", "val/acc_mean")``) in the runs table (listed as ``name`` under *Views*), and
+    return the line to print: its address in the model-training view. Empty when the store cannot
+    be asked."""
+    uri = tracking_uri()
+    try:
+        mc = client()
+        experiment = mc.get_run(run_id).info.experiment_id
+        mc.set_experiment_tag(experiment, SAVED_VIEW_TAG + key, saved_view(name or key, columns))
+    except Exception as err:  # a view is a convenience: the run's own line still says where it is
+        log.warning("could not save the runs-table view %s: %s", key, err)
+        return ""
+    return f"runs table ({', '.join(k for _, k in columns)}): {experiment_url(experiment, uri, key)}"
 
 
 DESCRIPTIONS = {

@@ -78,6 +78,40 @@ def run_url(run_id: str, experiment_id: str | None, uri: str) -> str:
     return f"{base}/#/{path}?{MODEL_TRAINING_VIEW}"
 
 
+def experiment_url(experiment_id: str, uri: str, view: str | None = None) -> str:
+    """An experiment's runs table in the model-training view, opened on a saved view (its columns
+    and order, :data:`SAVED_VIEW_TAG`) when ``view`` names one."""
+    base = uri.rstrip("/") if store_kind(uri) == "server" else f"http://127.0.0.1:{UI_PORT}"
+    # the runs tab itself: the experiment's bare address redirects there and drops the view key
+    return f"{base}/#/experiments/{experiment_id}/runs?{MODEL_TRAINING_VIEW}" + (
+        f"&viewStateShareKey={view}" if view else "")
+
+
+# MLflow's UI keeps a runs table's chosen columns in the browser; a view saved as this experiment
+# tag (+ a key) is one every browser opens with ?viewStateShareKey=<key> (MLflow 3's "share" link)
+SAVED_VIEW_TAG = "mlflow.sharedViewState."
+
+
+def saved_view(name: str, columns: list[tuple[str, str]], order_by: tuple[str, str] | None = None,
+               ascending: bool = False) -> str:
+    """The tag value of a saved runs-table view named ``name`` (listed under the runs table's
+    *Views*): ``columns`` as (kind, key) with kind ``metrics``, ``params``, ``tags`` or
+    ``attributes``, sorted by ``order_by`` (same form). The envelope is the one MLflow's UI writes."""
+    import json
+    import time
+
+    def column(kind: str, key: str) -> str:
+        return f"{kind}.`{key}`"
+
+    chosen = [column(k, v) for k, v in columns]
+    state: dict[str, Any] = {"selectedColumns": chosen, "columnOrder": chosen, "runsHiddenMode": "SHOW_ALL",
+                             "columnWidths": {c: 130 for c in chosen}}  # room for a value's digits
+    if order_by:
+        state.update(orderByKey=column(*order_by), orderByAsc=ascending)
+    now = int(time.time() * 1000)
+    return json.dumps({"name": name, "createdAt": now, "updatedAt": now, "state": json.dumps(state)})
+
+
 def view_hint(run_id: str, experiment_id: str | None, uri: str, what: str = "MLflow run") -> str:
     """One line: where a run is and how a person looks at it, right for the kind of store."""
     url = run_url(run_id, experiment_id, uri)

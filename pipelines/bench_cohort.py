@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         import pandas as pd
 
         from pfl.plots import plt
-        from pfl.tracking import Tracker
+        from pfl.tracking import Tracker, run_hint
 
         tracker = Tracker.start(None, "bench_cohort", tags={"pfl.pipeline": "bench_cohort"})
         tracker.log_params({"device": args.device, "threads": args.threads, "rounds": args.rounds})
@@ -204,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             plt.close(fig)
             tracker.log_artifact(out / "bench_cohort.png", "plots")
         tracker.end("FINISHED")
+        print(run_hint(tracker.run_id, what="MLflow run"))
     return 0
 
 

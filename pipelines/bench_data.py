@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_track:
         import pandas as pd
 
-        from pfl.tracking import Tracker
+        from pfl.tracking import Tracker, run_hint
 
         tracker = Tracker.start(None, "bench_data", tags={"pfl.pipeline": "bench_data"})
         tracker.log_params({"rows": args.rows, "clients": args.clients, "features": args.features,
@@ -183,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             pd.DataFrame(rows).to_csv(out, index=False)
             tracker.log_artifact(out)
         tracker.end("FINISHED")
+        print(run_hint(tracker.run_id, what="MLflow run"))
     return 0
 
 

@@ -26,7 +26,7 @@ import torch  # noqa: E402
 from pfl.config import apply_overrides  # noqa: E402
 from pfl.resolver import load  # noqa: E402
 from pfl.schema import ConfigError  # noqa: E402
-from pfl.tracking import Tracker  # noqa: E402
+from pfl.tracking import Tracker, run_hint  # noqa: E402
 from pfl.tune.space import load_scenario  # noqa: E402
 
 MODEL_INPUTS = {"cnn_fedavg": ((1, 28, 28), 10), "cnn_fpfc": ((1, 28, 28), 10),
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
                                  f"{name}/client_round_s": r["client_round_s"], f"{name}/svd_over_client": r["ratio"]})
     tracker.end()
     if tracker.run_id:
-        print(f"\nMLflow run {tracker.run_id}")
+        print("\n" + run_hint(tracker.run_id, what="MLflow run"))
     return 0
 
 

@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     from pfl.federation.simulator import Simulator
     from pfl.methods.fpfc import pair_update, zeta
     from pfl.prox import scad_prox
-    from pfl.tracking import Tracker
+    from pfl.tracking import Tracker, run_hint
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         for i, r in enumerate(rows):
             tracker.log_metrics({f"bench/{k}_ms": r[k] * 1e3 for k in ("round", "local_sgd", "server")}, step=i)
         tracker.end()
-        print(f"MLflow run {tracker.run_id}")
+        print(run_hint(tracker.run_id, what="MLflow run"))
     return 0
 
 

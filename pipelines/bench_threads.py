@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_track:
         import pandas as pd
 
-        from pfl.tracking import Tracker
+        from pfl.tracking import Tracker, run_hint
 
         tracker = Tracker.start(None, "bench_threads", tags={"pfl.pipeline": "bench_threads"})
         tracker.log_params({"threads": " ".join(map(str, args.threads)), "repeats": args.repeats, "cores": cores,
@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             pd.DataFrame(rows).to_csv(path, index=False)
             tracker.log_artifact(path)
         tracker.end("FINISHED")
+        print(run_hint(tracker.run_id, what="MLflow run"))
     return 0
 
 

@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     from pfl.config import apply_overrides
     from pfl.resolver import resolve
     from pfl.runner import run_experiment
-    from pfl.tracking import Tracker
+    from pfl.tracking import Tracker, run_hint
     from pfl.tune.space import base_config, load_space
     from pfl.tune.sweep import run_sweep
 
@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         table.to_csv(Path(tmp) / "bench_tune.csv", index=False)
         tracker.log_artifact(Path(tmp) / "bench_tune.csv")
     tracker.end()
+    print(run_hint(tracker.run_id, what="MLflow run"))
     return 0
 
 

@@ -3,6 +3,7 @@
     python pipelines/newcomers.py                        # quick preset, S1 and FMNIST label swap
     python pipelines/newcomers.py --preset paper
     python pipelines/newcomers.py --scenarios s1 --methods fpfc local
+    python pipelines/newcomers.py --seeds 0 1 2 3 4      # more seeds (default 0 1 2)
 
 20 % of the devices (``newcomers.fraction``, drawn once from the seed) take no part in training and
 join after the last round by their method's rule (pfl/federation/newcomers.py, docs/methods/fpfc.md §8):
@@ -20,16 +21,19 @@ join after the last round by their method's rule (pfl/federation/newcomers.py, d
 * ``fpfc_l1``, ``fpfc``  train alone first, then newcomer-only ADMM rounds against the trained
                  devices until the upload settles (``newcomers.tol``) or ``newcomers.rounds``.
 
-Reported per method: the newcomers' mean test accuracy and its std over the newcomers (Table 3's
-two numbers), printed beside the paper's; for the clustered methods the ARI of the cluster
-assignment of all devices (trained and newcomers) against the true clusters and the share of
-newcomers placed in the cluster of most of their true cluster's trained devices; the trained
-devices' accuracy; the join steps and join traffic.
+Every (scenario, method) runs once per seed (``--seeds``, default 0 1 2; a seed draws the data, the
+newcomers and the training randomness, shared by the methods). Reported per method, as mean ± std
+over the seeds (pfl/seeds.py): the newcomers' mean test accuracy (★ the best method of the scenario,
+≈ within its spread) and the std of the newcomers' accuracies within a run (Table 3's two numbers,
+printed beside the paper's); the test samples behind the newcomers' mean; for the clustered methods
+the ARI of the cluster assignment of all devices (trained and newcomers) against the true clusters
+and the share of newcomers placed in the cluster of most of their true cluster's trained devices;
+the trained devices' accuracy; the join steps and join traffic.
 
 Scenarios and presets are robustness.py's (S1 quick: 200 rounds here, FPFC λ = 0.6 from the zoo
 initialisation, 200 join rounds; FMNIST label swap quick: 40 rounds, 10,000 images, 5 local epochs,
 20 join rounds). Logged to MLflow: a parent run with the table (CSV, Markdown) and the headline
-numbers; one child run per (scenario, method) with ``newcomer/*`` metrics and ``newcomers.csv``.
+numbers; one child run per (scenario, method, seed) with ``newcomer/*`` metrics and ``newcomers.csv``.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pfl.schema import ConfigError  # noqa: E402
+from pfl.seeds import add_seeds_argument  # noqa: E402
 from pfl.tracking import run_hint  # noqa: E402
 
 #: Table 3's rows in the paper's order
@@ -71,90 +76,111 @@ PRESETS = {
 }
 
 
-def format_table(rows: list[dict]) -> str:
-    head = ("| scenario | method | newcomer acc % (std) | paper % (std) | Δ pt | ARI (all) | in true cluster | "
-            "trained acc % | join steps | join bytes |")
-    lines = [head, "|" + "---|" * 10]
+def format_table(summary: list[dict]) -> str:
+    from pfl.seeds import MARK, fmt
 
-    def num(v, spec, scale=1.0):
-        return "–" if v != v else format(v * scale, spec)
-
-    for r in rows:
-        paper = PAPER.get(r["method"], {}).get(r["scenario"])
+    head = ("| scenario | method | seeds | newcomer acc % | std over newcomers | paper % (std) | Δ pt | test samples | "
+            "ARI (all) | in true cluster | trained acc % | join steps | join bytes |")
+    lines = [head, "|" + "---|" * 13]
+    for r in summary:
+        scenario, method = r["group"], r["row"]
+        paper = PAPER.get(method, {}).get(scenario)
         paper_text = "–" if paper is None else f"{paper[0]:.2f} ({paper[1]:.2f})"
-        delta = "–" if paper is None or r["acc"] != r["acc"] else f"{100 * r['acc'] - paper[0]:+.2f}"
-        lines.append(f"| {r['scenario']} | {r['method']} | {num(r['acc'], '.2f', 100)} ({num(r['std'], '.2f')}) | "
-                     f"{paper_text} | {delta} | {num(r['ari'], '.3f')} | {num(r['in_true'], '.2f')} | "
-                     f"{num(r['trained_acc'], '.2f', 100)} | {r['join_steps']:.0f} | {int(r['join_bytes']):,} |")
+        acc = r["acc_mean"]
+        delta = "–" if paper is None or acc != acc else f"{100 * acc - paper[0]:+.2f}"
+        mark = {"ref": " ★", MARK: f" {MARK}"}.get(r.get("mark", ""), "")
+        lines.append(f"| {scenario} | {method} | {r['seeds']} | {fmt(acc, r['acc_std'], 100)}{mark} | "
+                     f"{fmt(r['std_mean'], r['std_std'], 1.0)} | {paper_text} | {delta} | {r['test_n_mean']:,.0f} | "
+                     f"{fmt(r['ari_mean'], r['ari_std'], 1.0, 3)} | {fmt(r['in_true_mean'], r['in_true_std'])} | "
+                     f"{fmt(r['trained_acc_mean'], r['trained_acc_std'], 100)} | {r['join_steps_mean']:.0f} | "
+                     f"{int(r['join_bytes_mean']):,} |")
+    lines += ["", f"Mean ± std over the seeds. ★ the best method of the scenario; {MARK} within its spread "
+              "(|difference of means| < the larger std): not separated from it. test samples: the newcomers' "
+              "test splits behind one run's mean."]
     return "\n".join(lines)
 
 
 def run(scenarios: list[str], methods: list[str], preset_name: str = "quick", rounds: int | None = None,
         join_rounds: int | None = None, fraction: float = 0.2, overrides: list[str] | None = None,
-        track: bool = True, experiment: str | None = None, out: str | Path | None = None, progress=print) -> dict:
+        track: bool = True, experiment: str | None = None, out: str | Path | None = None, progress=print,
+        seeds=(0, 1, 2)) -> dict:
     from pfl.config import apply_overrides
     from pfl.resolver import resolve
     from pfl.data import load_federated
     from pfl.runner import TableRun
+    from pfl.seeds import aggregate, check_seeds, test_samples
     from robustness import common_config, entry_overrides
 
     overrides = list(overrides or [])
+    seeds = check_seeds(seeds)
     plans = {}
-    for scenario in scenarios:
-        sizes = dict(PRESETS[scenario][preset_name])
-        sizes["rounds"] = rounds if rounds is not None else sizes["rounds"]
-        sizes["join_rounds"] = join_rounds if join_rounds is not None else sizes["join_rounds"]
-        raw, preset = common_config(scenario, preset_name, sizes["rounds"], overrides, track, experiment,
-                                    extra={"newcomers.fraction": fraction, "newcomers.rounds": sizes["join_rounds"],
-                                           **sizes["config"]})
-        configs = []
-        for entry in methods:
-            settings = {**entry_overrides(entry, scenario, preset), "tracking.run_name": f"{scenario}/{entry}"}
-            if entry == "lg":
-                settings["method.warmup_rounds"] = sizes["rounds"] // 2
-            configs.append((entry, resolve(apply_overrides(apply_overrides(raw, settings), overrides))))
-        plans[scenario] = (sizes, preset, configs)
+    for seed in seeds:
+        for scenario in scenarios:
+            sizes = dict(PRESETS[scenario][preset_name])
+            sizes["rounds"] = rounds if rounds is not None else sizes["rounds"]
+            sizes["join_rounds"] = join_rounds if join_rounds is not None else sizes["join_rounds"]
+            raw, preset = common_config(scenario, preset_name, sizes["rounds"], overrides, track, experiment,
+                                        extra={"newcomers.fraction": fraction, "newcomers.rounds": sizes["join_rounds"],
+                                               **sizes["config"]}, seed=seed)
+            configs = []
+            for entry in methods:
+                settings = {**entry_overrides(entry, scenario, preset),
+                            "tracking.run_name": f"{scenario}/{entry}/seed{seed}"}
+                if entry == "lg":
+                    settings["method.warmup_rounds"] = sizes["rounds"] // 2
+                configs.append((entry, resolve(apply_overrides(apply_overrides(raw, settings), overrides))))
+            plans[(seed, scenario)] = (sizes, preset, configs)
+    first = {s: plans[(seeds[0], s)][0] for s in scenarios}
     parent = TableRun(f"newcomers-{preset_name}", experiment=experiment, track=track,
                       params={"preset": preset_name, "scenarios": " ".join(scenarios), "methods": " ".join(methods),
-                              "newcomers.fraction": fraction,
-                              **{f"{s}.rounds": plans[s][0]["rounds"] for s in scenarios},
-                              **{f"{s}.join_rounds": plans[s][0]["join_rounds"] for s in scenarios}})
+                              "newcomers.fraction": fraction, "seeds": " ".join(map(str, seeds)),
+                              **{f"{s}.rounds": first[s]["rounds"] for s in scenarios},
+                              **{f"{s}.join_rounds": first[s]["join_rounds"] for s in scenarios}})
     rows = []
-    for scenario in scenarios:
-        sizes, preset, configs = plans[scenario]
-        data = load_federated(configs[0][1].data, configs[0][1].seed)
-        if progress:
-            progress(f"{scenario}: {data.num_clients} devices ({round(fraction * data.num_clients)} newcomers), "
-                     f"{sizes['rounds']} rounds, up to {sizes['join_rounds']} join rounds")
-        for entry, cfg in configs:
-            start = time.perf_counter()
-            summary = parent.run(cfg.tracking.run_name, cfg, data=data)
-            f = summary.final
-            row = {"scenario": scenario, "method": entry, "acc": f.get("newcomer/acc_mean", float("nan")),
-                   "std": f.get("newcomer/acc_std", float("nan")), "ari": f.get("newcomer/ari", float("nan")),
-                   "in_true": f.get("newcomer/in_true_cluster", float("nan")),
-                   "clusters": f.get("newcomer/clusters", float("nan")),
-                   "trained_acc": f.get("test/acc_mean", float("nan")),
-                   "join_steps": f.get("newcomer/join_steps", 0.0),
-                   "join_bytes": f.get("comm/join_up_bytes", 0.0) + f.get("comm/join_down_bytes", 0.0),
-                   "wall_s": time.perf_counter() - start, "status": summary.status, "run_id": summary.run_id or ""}
-            paper = PAPER.get(entry, {}).get(scenario)
-            row["paper_acc"], row["paper_std"] = (paper[0] / 100, paper[1]) if paper else (float("nan"),) * 2
-            rows.append(row)
+    for seed in seeds:
+        for scenario in scenarios:
+            sizes, preset, configs = plans[(seed, scenario)]
+            data = load_federated(configs[0][1].data, configs[0][1].seed)
             if progress:
-                progress(f"   {entry:<10} newcomers {100 * row['acc']:6.2f} % (std {row['std']:.2f})"
-                         + (f", ARI {row['ari']:.3f}" if row["ari"] == row["ari"] else "")
-                         + f"; trained {100 * row['trained_acc']:.2f} %  [{row['wall_s']:.0f} s]")
-            parent.log_metrics({f"{scenario}/{entry}/newcomer_acc": row["acc"],
-                                f"{scenario}/{entry}/newcomer_ari": row["ari"]})
-    text = format_table(rows)
+                progress(f"{scenario}, seed {seed}: {data.num_clients} devices ({round(fraction * data.num_clients)} "
+                         f"newcomers), {sizes['rounds']} rounds, up to {sizes['join_rounds']} join rounds")
+            for entry, cfg in configs:
+                start = time.perf_counter()
+                summary = parent.run(cfg.tracking.run_name, cfg, data=data)
+                f = summary.final
+                row = {"scenario": scenario, "method": entry, "seed": seed,
+                       "acc": f.get("newcomer/acc_mean", float("nan")),
+                       "std": f.get("newcomer/acc_std", float("nan")), "ari": f.get("newcomer/ari", float("nan")),
+                       "in_true": f.get("newcomer/in_true_cluster", float("nan")),
+                       "clusters": f.get("newcomer/clusters", float("nan")),
+                       "trained_acc": f.get("test/acc_mean", float("nan")),
+                       "test_n": float(test_samples(summary, newcomers=True)),
+                       "join_steps": f.get("newcomer/join_steps", 0.0),
+                       "join_bytes": f.get("comm/join_up_bytes", 0.0) + f.get("comm/join_down_bytes", 0.0),
+                       "wall_s": time.perf_counter() - start, "status": summary.status, "run_id": summary.run_id or ""}
+                paper = PAPER.get(entry, {}).get(scenario)
+                row["paper_acc"], row["paper_std"] = (paper[0] / 100, paper[1]) if paper else (float("nan"),) * 2
+                rows.append(row)
+                if progress:
+                    progress(f"   {entry:<10} newcomers {100 * row['acc']:6.2f} % (std {row['std']:.2f})"
+                             + (f", ARI {row['ari']:.3f}" if row["ari"] == row["ari"] else "")
+                             + f"; trained {100 * row['trained_acc']:.2f} %  [{row['wall_s']:.0f} s]")
+    records = [{**{k: v for k, v in r.items() if k not in ("scenario", "method", "paper_acc", "paper_std")},
+                "group": r["scenario"], "row": r["method"]} for r in rows]
+    summary = aggregate(records, key="acc", reference="best", skip=("seed", "wall_s"))
+    for r in summary:
+        parent.log_metrics({k: v for k, v in {f"{r['group']}/{r['row']}/newcomer_acc_mean": r["acc_mean"],
+                                               f"{r['group']}/{r['row']}/newcomer_ari_mean": r["ari_mean"]}.items()
+                            if v == v})
+    text = format_table(summary)
     from pfl.methods import get_method
     from robustness import ENTRIES
 
     rules = [f"- {m}: {get_method(ENTRIES[m][0]).newcomer_rule}" for m in methods]
     text = "\n".join([text, "", "Newcomer rules:", *rules])
-    parent.finish(rows, "newcomers_table", text=text, outdir=out)
-    return {"rows": rows, "table": text, "parent_run_id": parent.run_id}
+    table_rows = [{k: v for k, v in r.items() if k != "values"} for r in summary]
+    parent.finish(table_rows, "newcomers_table", text=text, outdir=out, runs=rows)
+    return {"rows": rows, "summary": summary, "table": text, "parent_run_id": parent.run_id}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-track", action="store_true", help="do not log to MLflow")
     parser.add_argument("--out", help="also write the table into this directory")
     parser.add_argument("--quiet", action="store_true", help="no per-run progress lines")
+    add_seeds_argument(parser)
     args = parser.parse_args(argv)
     import torch
 
@@ -183,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = run(args.scenarios, args.methods, args.preset, args.rounds, args.join_rounds, args.fraction,
                      args.set, track=not args.no_track, experiment=args.experiment, out=args.out,
-                     progress=None if args.quiet else print)
+                     progress=None if args.quiet else print, seeds=args.seeds)
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2

@@ -331,19 +331,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def format_table(rows: list[dict]) -> str:
-    head = f"{'method':<22} {'test acc':>9} {'read-out':>9} {'#clusters':>9} {'ARI':>6} {'comm':>11} {'sim clock':>11} {'wall s':>7}"
-    lines = [head, "-" * len(head)]
+    """The table as a Markdown pipe table (printed, and rendered by MLflow as ``table.md``)."""
+    from pfl.markdown import pipe_table
 
-    def num(v, spec, width, suffix=""):
-        text = "-" if v != v else format(v, spec) + suffix  # NaN -> '-'
-        return text.rjust(width)
+    def num(v, spec, suffix=""):
+        return "–" if v != v else format(v, spec) + suffix
 
-    for r in rows:
-        lines.append(f"{r['method']:<22} {num(r['test_acc'] * 100, '.2f', 9, '%')} "
-                     f"{num(r['readout_acc'] * 100, '.2f', 9, '%')} {num(r['clusters'], '.0f', 9)} "
-                     f"{num(r['ari'], '.3f', 6)} {fmt_bytes(r['comm_bytes']):>11} "
-                     f"{num(r['sim_clock'], '.4g', 11)} {r['wall_s']:7.1f}")
-    return "\n".join(lines)
+    return pipe_table(["method", "test acc", "read-out", "#clusters", "ARI", "comm", "sim clock", "wall s"],
+                      [[r["method"], num(r["test_acc"] * 100, ".2f", " %"), num(r["readout_acc"] * 100, ".2f", " %"),
+                        num(r["clusters"], ".0f"), num(r["ari"], ".3f"), fmt_bytes(r["comm_bytes"]),
+                        num(r["sim_clock"], ".4g"), f"{r['wall_s']:.1f}"] for r in rows])
 
 
 if __name__ == "__main__":

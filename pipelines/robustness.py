@@ -3,6 +3,7 @@
     python pipelines/robustness.py                                  # quick preset, the whole grid
     python pipelines/robustness.py --preset paper                   # the paper's scale
     python pipelines/robustness.py --scenarios s1 --methods fpfc fedavg --attacks gaussian --fractions 0 0.2 0.4
+    python pipelines/robustness.py --seeds 0 1 2 3 4                # more seeds (default 0 1 2)
 
 Grid: methods × attacks × malicious fractions × scenarios. Methods (``--methods``): ``fpfc``,
 ``fpfc_l1``, ``fedavg``, ``fedavg_median`` (coordinate-wise median), ``fedavg_krum`` (Krum with
@@ -40,13 +41,19 @@ Scenarios (``--scenarios``):
   towards it gives a garbage body, which it uploads. ``fpfc_median`` (not in the default grid) is
   FPFC with the body combined by the coordinate-wise median.
 
+Seeds (``--seeds``, default 0 1 2): the whole grid runs once per seed (a seed draws the data, the
+malicious devices and the training randomness; within a seed every method sees the same). Each cell
+of the table is the mean ± std over the seeds (pfl/seeds.py); ★ marks the best method of a column and
+≈ the methods whose mean is within the spread of the best (|difference| < the larger std), which the
+grid therefore does not separate from it. The drops below the table are per seed, then mean ± std.
+
 Output: the table (printed; CSV and Markdown on the MLflow parent run), one plot per attack (benign
 accuracy vs malicious fraction, a panel per scenario, a line per method) under ``plots/`` of the
 parent, and the largest drop of each method from its clean accuracy (at fractions ≤ 0.4 and over
 all). The drop is like for like: the clean run's accuracy on the same benign devices (column
 ``clean_same_devices`` of the CSV) minus the attacked run's, since which devices are left out
 changes the mean by itself.
-Every grid point is a child run (per-round metrics of the benign devices, ``attack/benign_clients``,
+Every grid point and seed is a child run (per-round metrics of the benign devices, ``attack/benign_clients``,
 ``attack_malicious.csv``). A run whose model the attack drove to inf/NaN is not a failure: it is
 evaluated as it is and marked ``attack/diverged``.
 """
@@ -64,6 +71,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pfl.federation.loop import Callback  # noqa: E402
 from pfl.schema import ConfigError  # noqa: E402
+from pfl.seeds import add_seeds_argument  # noqa: E402
 from pfl.tracking import run_hint  # noqa: E402
 
 ATTACKS = ("same_value", "sign_flip", "gaussian")
@@ -168,8 +176,9 @@ def entry_overrides(entry: str, scenario: str, preset: dict) -> dict:
 
 
 def common_config(scenario: str, preset_name: str, rounds: int | None, overrides: list[str], track: bool,
-                  experiment: str | None, extra: dict | None = None) -> tuple[dict, dict]:
-    """(the scenario's resolved raw config for every entry, the preset) — validated."""
+                  experiment: str | None, extra: dict | None = None, seed: int | None = None) -> tuple[dict, dict]:
+    """(the scenario's resolved raw config for every entry, the preset) — validated; ``seed``
+    replaces the scenario's."""
     from pfl.config import apply_overrides
     from pfl.resolver import load
 
@@ -182,6 +191,8 @@ def common_config(scenario: str, preset_name: str, rounds: int | None, overrides
                  "tracking.enabled": track, "tracking.log_model": False, **(extra or {})})
     if experiment:
         base["tracking.experiment"] = experiment
+    if seed is not None:
+        base["seed"] = seed
     cfg = load(None, apply_overrides(apply_overrides({}, base), overrides))
     return cfg.to_dict(), preset
 
@@ -196,54 +207,78 @@ def grid_points(methods: list[str], attacks: list[str], fractions: list[float]) 
     return points
 
 
-def accuracy_of(rows: list[dict], scenario: str, entry: str, attack: str, fraction: float) -> float:
-    """Benign accuracy of a grid point (fraction 0: the entry's clean run)."""
-    for r in rows:
-        if (r["scenario"], r["method"]) == (scenario, entry) and (
-                (fraction == 0 and r["fraction"] == 0) or (r["attack"], r["fraction"]) == (attack, fraction)):
-            return r["benign_acc"]
-    return float("nan")
+def cell_group(scenario: str, attack: str, fraction: float) -> str:
+    return f"{scenario}|{'none' if fraction == 0 else attack}|{fraction:g}"
 
 
-def format_tables(rows: list[dict], scenarios: list[str], methods: list[str], attacks: list[str],
-                  fractions: list[float], header: dict[str, str]) -> str:
+def summarize(rows: list[dict]) -> dict[tuple[str, str], dict]:
+    """(grid cell, entry) → mean ± std over the seeds of the benign accuracy and of the drop from the
+    clean run on the same devices, with ★/≈ against the best entry of the cell (pfl/seeds.py)."""
+    from pfl.seeds import aggregate
+
+    records = [{"group": cell_group(r["scenario"], r["attack"], r["fraction"]), "row": r["method"], "seed": r["seed"],
+                "benign_acc": r["benign_acc"], "drop": r["clean_same_devices"] - r["benign_acc"]} for r in rows]
+    return {(a["group"], a["row"]): a for a in aggregate(records, key="benign_acc", reference="best")}
+
+
+def accuracy_of(summary: dict, scenario: str, entry: str, attack: str, fraction: float) -> float:
+    """Mean benign accuracy over the seeds of a grid point (fraction 0: the entry's clean run)."""
+    cell = summary.get((cell_group(scenario, attack, fraction), entry))
+    return float("nan") if cell is None else cell["benign_acc_mean"]
+
+
+def format_tables(summary: dict, scenarios: list[str], methods: list[str], attacks: list[str],
+                  fractions: list[float], header: dict[str, str], seeds: list[int]) -> str:
+    from pfl.seeds import MARK, fmt
+
     out = []
     attacked = [f for f in fractions if f > 0]
+    cols = ([("none", 0.0)] if 0.0 in fractions else []) + [(a, f) for a in attacks for f in attacked]
     for scenario in scenarios:
-        out.append(f"\n== {scenario} ({header.get(scenario, '')}): benign test accuracy (%) ==")
-        columns = ["method", "clean", *(f"{a} {f:g}" for a in attacks for f in attacked)]
+        out.append(f"\n== {scenario} ({header.get(scenario, '')}): benign test accuracy (%), mean ± std over "
+                   f"seeds {' '.join(map(str, seeds))} ==")
+        columns = ["method", *("clean" if f == 0 else f"{a} {f:g}" for a, f in cols)]
         out += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
         for entry in methods:
-            cells = [accuracy_of(rows, scenario, entry, "none", 0.0)]
-            cells += [accuracy_of(rows, scenario, entry, a, f) for a in attacks for f in attacked]
-            out.append(f"| {entry} | " + " | ".join("–" if c != c else f"{100 * c:.2f}" for c in cells) + " |")
+            cells = []
+            for a, f in cols:
+                c = summary.get((cell_group(scenario, a, f), entry))
+                if c is None:
+                    cells.append("–")
+                    continue
+                mark = {"ref": " ★", MARK: f" {MARK}"}.get(c.get("mark", ""), "")
+                cells.append(fmt(c["benign_acc_mean"], c["benign_acc_std"], 100.0) + mark)
+            out.append(f"| {entry} | " + " | ".join(cells) + " |")
+    out.append(f"\n★ the best method of a column; {MARK} within the spread of the best (|difference of means| < "
+               "the larger std over the seeds): the grid does not separate the two.")
     return "\n".join(out)
 
 
-def drops(rows: list[dict], scenarios: list[str], methods: list[str]) -> list[str]:
-    """Per scenario and method: the largest drop of benign accuracy from the clean run's accuracy on
-    the same devices (like for like: the malicious devices are left out of both), at fractions ≤ 0.4
-    and over all fractions."""
+def drops(summary: dict, scenarios: list[str], methods: list[str]) -> list[str]:
+    """Per scenario and method: the largest mean drop (over the seeds) of benign accuracy from the
+    clean run's accuracy on the same devices (like for like: the malicious devices are left out of
+    both), at fractions ≤ 0.4 and over all fractions."""
+    from pfl.seeds import fmt
+
     lines = []
     for scenario in scenarios:
         for entry in methods:
-            mine = [r for r in rows if (r["scenario"], r["method"]) == (scenario, entry) and r["fraction"] > 0
-                    and r["clean_same_devices"] == r["clean_same_devices"] and r["benign_acc"] == r["benign_acc"]]
-            clean = accuracy_of(rows, scenario, entry, "none", 0.0)
+            cells = [(g.split("|"), c) for (g, e), c in summary.items() if e == entry and g.startswith(scenario + "|")]
+            attacked = [(float(g[2]), g[1], c) for g, c in cells if float(g[2]) > 0 and c["drop_mean"] == c["drop_mean"]]
+            clean = accuracy_of(summary, scenario, entry, "none", 0.0)
             worst = {}
             for limit in (0.4, 1.0):
-                cands = [(r["clean_same_devices"] - r["benign_acc"], r["attack"], r["fraction"])
-                         for r in mine if r["fraction"] <= limit]
+                cands = [(c["drop_mean"], a, f, c["drop_std"]) for f, a, c in attacked if f <= limit]
                 if cands:
-                    worst[limit] = max(cands)
+                    worst[limit] = max(cands, key=lambda t: t[0])
             if worst:
-                text = "; ".join(f"{'≤ 0.4' if k == 0.4 else 'all'}: {100 * d:+.1f} pt ({a} {f:g})"
-                                 for k, (d, a, f) in worst.items())
+                text = "; ".join(f"{'≤ 0.4' if k == 0.4 else 'all'}: {fmt(d, sd, 100.0, 1)} pt ({a} {f:g})"
+                                 for k, (d, a, f, sd) in worst.items())
                 lines.append(f"{scenario:<17} {entry:<14} clean {100 * clean:6.2f} %  largest drop {text}")
     return lines
 
 
-def plot_attack(rows: list[dict], attack: str, scenarios: list[str], methods: list[str], fractions: list[float],
+def plot_attack(summary: dict, attack: str, scenarios: list[str], methods: list[str], fractions: list[float],
                 path: Path) -> Path:
     import matplotlib
 
@@ -253,12 +288,12 @@ def plot_attack(rows: list[dict], attack: str, scenarios: list[str], methods: li
     fig, axes = plt.subplots(1, len(scenarios), figsize=(5.2 * len(scenarios), 4.0), dpi=100, squeeze=False)
     for ax, scenario in zip(axes[0], scenarios):
         for entry in methods:
-            ys = [accuracy_of(rows, scenario, entry, attack, f) for f in fractions]
+            ys = [accuracy_of(summary, scenario, entry, attack, f) for f in fractions]
             if any(y == y for y in ys):
                 ax.plot(fractions, [100 * y for y in ys], marker="o", label=entry)
         ax.set_title(f"{scenario}: {attack}")
         ax.set_xlabel("fraction of malicious devices")
-        ax.set_ylabel("benign test accuracy (%)")
+        ax.set_ylabel("benign test accuracy (%), mean over seeds")
         ax.grid(alpha=0.3)
     if axes[0][-1].get_legend_handles_labels()[0]:
         axes[0][-1].legend(fontsize=8)
@@ -271,80 +306,92 @@ def plot_attack(rows: list[dict], attack: str, scenarios: list[str], methods: li
 def run(scenarios: list[str], methods: list[str], attacks: list[str], fractions: list[float],
         preset_name: str = "quick", rounds: int | None = None, overrides: list[str] | None = None,
         track: bool = True, experiment: str | None = None, out: str | Path | None = None,
-        progress=print, scope: str | None = None) -> dict:
+        progress=print, scope: str | None = None, seeds=(0, 1, 2)) -> dict:
     import tempfile
 
     from pfl.config import apply_overrides
     from pfl.resolver import resolve
     from pfl.data import load_federated
     from pfl.runner import TableRun
+    from pfl.seeds import check_seeds
 
     overrides = list(overrides or [])
+    seeds = check_seeds(seeds)
     # every config first, so that a bad value stops the pipeline before any training
     plans = {}
-    for scenario in scenarios:
-        raw, preset = common_config(scenario, preset_name, rounds, overrides, track, experiment)
-        configs = []
-        for entry, attack, fraction in grid_points(methods, attacks, fractions):
-            settings = {**entry_overrides(entry, scenario, preset), "attack.kind": attack,
-                        "attack.fraction": fraction, "attack.scope": scope or SCENARIOS[scenario]["attack_scope"],
-                        "tracking.run_name": f"{scenario}/{entry}/{attack if fraction else 'clean'}"
-                                             + (f"/{fraction:g}" if fraction else "")}
-            cfg = resolve(apply_overrides(apply_overrides(raw, settings), overrides))
-            configs.append((entry, attack, fraction, cfg))
-        plans[scenario] = (preset, configs)
+    for seed in seeds:
+        for scenario in scenarios:
+            raw, preset = common_config(scenario, preset_name, rounds, overrides, track, experiment, seed=seed)
+            configs = []
+            for entry, attack, fraction in grid_points(methods, attacks, fractions):
+                settings = {**entry_overrides(entry, scenario, preset), "attack.kind": attack,
+                            "attack.fraction": fraction, "attack.scope": scope or SCENARIOS[scenario]["attack_scope"],
+                            "tracking.run_name": f"{scenario}/{entry}/{attack if fraction else 'clean'}"
+                                                 + (f"/{fraction:g}" if fraction else "") + f"/seed{seed}"}
+                cfg = resolve(apply_overrides(apply_overrides(raw, settings), overrides))
+                configs.append((entry, attack, fraction, cfg))
+            plans[(seed, scenario)] = (preset, configs)
+    presets = {s: plans[(seeds[0], s)][0] for s in scenarios}
     parent = TableRun(f"robustness-{preset_name}", experiment=experiment, track=track,
                       params={"preset": preset_name, "scenarios": " ".join(scenarios), "methods": " ".join(methods),
                               "attacks": " ".join(attacks), "fractions": " ".join(f"{f:g}" for f in fractions),
-                              **{f"{s}.rounds": plans[s][0]["rounds"] for s in scenarios},
-                              **{f"{s}.fpfc_lam": plans[s][0]["lam"] for s in scenarios},
+                              "seeds": " ".join(map(str, seeds)),
+                              **{f"{s}.rounds": presets[s]["rounds"] for s in scenarios},
+                              **{f"{s}.fpfc_lam": presets[s]["lam"] for s in scenarios},
                               **{f"{s}.attack_scope": scope or SCENARIOS[s]["attack_scope"] for s in scenarios}})
     from pfl.federation.attacks import malicious_clients
 
     rows: list[dict] = []
-    clean_tail: dict[tuple[str, str], TailAccuracy] = {}  # per-device accuracies of the clean runs
-    for scenario in scenarios:
-        preset, configs = plans[scenario]
-        data = load_federated(configs[0][3].data, configs[0][3].seed)
-        if progress:
-            progress(f"{scenario}: {data.num_clients} devices, {preset['rounds']} rounds, {len(configs)} runs")
-        for entry, attack, fraction, cfg in configs:
-            start = time.perf_counter()
-            tail = TailAccuracy(cfg.federation.rounds)
-            summary = parent.run(cfg.tracking.run_name, cfg, data=data, callbacks=[tail])
-            f = summary.final
-            if fraction == 0:
-                clean_tail[(scenario, entry)] = tail
-            benign = sorted(set(range(data.num_clients)) - set(malicious_clients(cfg, data.num_clients)))
-            clean = clean_tail.get((scenario, entry))
-            row = {"scenario": scenario, "method": entry, "attack": attack, "fraction": fraction,
-                   "benign_acc": tail.mean_over(benign), "final_acc": f.get("test/acc_mean", float("nan")),
-                   # the clean run's accuracy on the same (benign) devices: the like-for-like reference
-                   "clean_same_devices": clean.mean_over(benign) if clean else float("nan"),
-                   "benign_clients": f.get("attack/benign_clients", float(data.num_clients)),
-                   "global_acc": f.get("global/test_acc", float("nan")),
-                   "clusters": f.get("cluster/num", float("nan")), "ari": f.get("cluster/ari", float("nan")),
-                   "diverged": any(h.get("attack/diverged") for h in summary.history),
-                   "wall_s": time.perf_counter() - start, "status": summary.status, "run_id": summary.run_id or ""}
-            rows.append(row)
+    for seed in seeds:
+        clean_tail: dict[tuple[str, str], TailAccuracy] = {}  # per-device accuracies of this seed's clean runs
+        for scenario in scenarios:
+            preset, configs = plans[(seed, scenario)]
+            data = load_federated(configs[0][3].data, configs[0][3].seed)
             if progress:
-                progress(f"   {cfg.tracking.run_name:<36} benign acc {100 * row['benign_acc']:6.2f} %"
-                         f"{'  (diverged)' if row['diverged'] else ''}  [{row['wall_s']:.0f} s]")
-            parent.log_metrics({f"{scenario}/{entry}/{attack}/{fraction:g}/benign_acc": row["benign_acc"]})
-    header = {s: f"{preset_name}: {plans[s][0]['rounds']} rounds, attack scope "
+                progress(f"{scenario}, seed {seed}: {data.num_clients} devices, {preset['rounds']} rounds, "
+                         f"{len(configs)} runs")
+            for entry, attack, fraction, cfg in configs:
+                start = time.perf_counter()
+                tail = TailAccuracy(cfg.federation.rounds)
+                summary = parent.run(cfg.tracking.run_name, cfg, data=data, callbacks=[tail])
+                f = summary.final
+                if fraction == 0:
+                    clean_tail[(scenario, entry)] = tail
+                benign = sorted(set(range(data.num_clients)) - set(malicious_clients(cfg, data.num_clients)))
+                clean = clean_tail.get((scenario, entry))
+                row = {"scenario": scenario, "method": entry, "attack": attack, "fraction": fraction, "seed": seed,
+                       "benign_acc": tail.mean_over(benign), "final_acc": f.get("test/acc_mean", float("nan")),
+                       # the clean run's accuracy on the same (benign) devices: the like-for-like reference
+                       "clean_same_devices": clean.mean_over(benign) if clean else float("nan"),
+                       "benign_clients": f.get("attack/benign_clients", float(data.num_clients)),
+                       "global_acc": f.get("global/test_acc", float("nan")),
+                       "clusters": f.get("cluster/num", float("nan")), "ari": f.get("cluster/ari", float("nan")),
+                       "diverged": any(h.get("attack/diverged") for h in summary.history),
+                       "wall_s": time.perf_counter() - start, "status": summary.status, "run_id": summary.run_id or ""}
+                rows.append(row)
+                if progress:
+                    progress(f"   {cfg.tracking.run_name:<42} benign acc {100 * row['benign_acc']:6.2f} %"
+                             f"{'  (diverged)' if row['diverged'] else ''}  [{row['wall_s']:.0f} s]")
+    cells = summarize(rows)
+    for (group, entry), c in cells.items():
+        scenario, attack, fraction = group.split("|")
+        parent.log_metrics({f"{scenario}/{entry}/{attack}/{fraction}/benign_acc_mean": c["benign_acc_mean"]})
+    header = {s: f"{preset_name}: {presets[s]['rounds']} rounds, attack scope "
                  f"{scope or SCENARIOS[s]['attack_scope']}" for s in scenarios}
-    text = format_tables(rows, scenarios, methods, attacks, fractions, header)
-    summary_lines = drops(rows, scenarios, methods)
+    text = format_tables(cells, scenarios, methods, attacks, fractions, header, seeds)
+    summary_lines = drops(cells, scenarios, methods)
     with tempfile.TemporaryDirectory() as tmp:
         for attack in attacks:
-            path = plot_attack(rows, attack, scenarios, methods, sorted(set(fractions) | {0.0}),
+            path = plot_attack(cells, attack, scenarios, methods, sorted(set(fractions) | {0.0}),
                                Path(tmp) / f"benign_acc_vs_fraction_{attack}.png")
             parent.parent.log_artifact(path, "plots")
             if out:
                 Path(out).mkdir(parents=True, exist_ok=True)
                 (Path(out) / path.name).write_bytes(path.read_bytes())
-    parent.finish(rows, "robustness_table", text="\n".join([text, "", *summary_lines]), outdir=out)
-    return {"rows": rows, "table": text, "drops": summary_lines, "parent_run_id": parent.run_id}
+    table_rows = [{"cell": g, "method": e, **{k: v for k, v in c.items() if k not in ("values", "group", "row")}}
+                  for (g, e), c in cells.items()]
+    parent.finish(table_rows, "robustness_table", text="\n".join([text, "", *summary_lines]), outdir=out, runs=rows)
+    return {"rows": rows, "cells": cells, "table": text, "drops": summary_lines, "parent_run_id": parent.run_id}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -367,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-track", action="store_true", help="do not log to MLflow")
     parser.add_argument("--out", help="also write the table and plots into this directory")
     parser.add_argument("--quiet", action="store_true", help="no per-run progress lines")
+    add_seeds_argument(parser)
     args = parser.parse_args(argv)
     bad = [f for f in args.fractions if not 0 <= f < 1]
     if bad:
@@ -379,12 +427,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = run(args.scenarios, args.methods, args.attacks, sorted(set(args.fractions)), args.preset,
                      args.rounds, args.set, track=not args.no_track, experiment=args.experiment, out=args.out,
-                     progress=None if args.quiet else print, scope=args.scope)
+                     progress=None if args.quiet else print, scope=args.scope, seeds=args.seeds)
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
     print(result["table"])
-    print("\nLargest drop from the clean run's accuracy on the same benign devices:")
+    print("\nLargest drop from the clean run's accuracy on the same benign devices (mean ± std over the seeds):")
     print("\n".join(result["drops"]))
     if result["parent_run_id"]:
         print("\n" + run_hint(result["parent_run_id"]))

@@ -140,23 +140,39 @@ class Context:
         self.search: list[dict] = []      # every trial of the (ρ, lr) search
         self.runs: list[dict] = []        # separate runs, one per λ and seed
         self.best_trial = None
+        self.separate_table = None
         self.walls: dict[str, float] = {}
-        self.common = dict(overrides=args.set, resume=args.resume, address=args.address, resources=resources,
+        # the λ path sets each trial's evaluation period and round cap itself: the sweeps' base
+        # config says the period the trials ran, and leaves the unused round count out
+        self.common = dict(overrides=[*args.set, f"federation.eval_every={settings.eval_every}"],
+                           resume=args.resume, address=args.address, resources=resources,
                            storage=args.storage, pipeline_run_id=None, extra_metrics=PATH_METRICS)
 
-    def sweep(self, space, suffix: str, strategy: str, label: str):
+    def sweep(self, space, suffix: str, strategy: str, run_name: str, description: str):
         from pfl.schema import to_dict
         from pfl.tune.fpfc_trainable import fpfc_path_trainable
         from pfl.tune.sweep import run_sweep
 
+        # trial names start with what tells them apart (MLflow cuts nested names): `λ-path ρ=1.5`,
+        # `λ=0.6 separate`
+        labels = {"label_prefix": "λ-path"} if strategy == "warmup" else {"label_prefix": "", "label_suffix": strategy}
+        steered = ("method.lam", "federation.rounds") if strategy == "warmup" else ("federation.rounds",)
         result = run_sweep(space, name=f"{self.name}-{suffix}", trainable=fpfc_path_trainable,
                            setup_extra={"path": to_dict(self.settings), "strategy": strategy},
-                           parent_tags={"pfl.strategy": strategy}, label_prefix=label,
-                           **{**self.common, "pipeline_run_id": self.top.run_id})
+                           parent_tags={"pfl.strategy": strategy}, run_name=run_name, description=description,
+                           steered=steered, extra_params={f"path.{k}": v for k, v in to_dict(self.settings).items()},
+                           **labels, **{**self.common, "pipeline_run_id": self.top.run_id})
         self.walls[suffix] = result.wall_s
         if result.status != "FINISHED":
             return result, stopped(suffix, result, space, self.top, self.args.argv)
         return result, 0
+
+    def mark_selected(self, result, lams: list[float]) -> None:
+        """The λ a sweep selected (per seed), as the tag its trials carry when they select one."""
+        from pfl.tracking import client
+
+        if result.parent_run_id:
+            client().set_tag(result.parent_run_id, "pfl.selected_lambda", " ".join(f"{v:g}" for v in lams))
 
     def ok_rows(self, table):
         return [row for _, row in table.iterrows() if row["status"] == "OK"]
@@ -165,23 +181,34 @@ class Context:
         s = self.settings
         print(f"\n== warmup strategy: λ path {s.ordered()} ({s.direction}), searched over "
               f"{', '.join(self.space.search) or 'nothing'} ==")
-        result, code = self.sweep(self.space, "warmup", "warmup", "warmup path")
+        order = " → ".join(f"{v:g}" for v in s.ordered())
+        about = (f"Warm-up strategy: each trial walks one λ path ({order}, {s.direction}; every stage until "
+                 f"convergence, warm-started from the one before), compares its {s.finalists} best stages at "
+                 "equal rounds (playoff) and continues the winner until convergence; the trials differ in the "
+                 "searched hyperparameters, and the best path's λ is the strategy's choice")
+        result, code = self.sweep(self.space, "warmup", "warmup", "λ-path sweep", about)
         if code:
             return code
         self.best_config = dict(result.best_config)
         self.search = [self.path_record(row, stages=False) for row in self.ok_rows(result.table)]
         self.best_trial = best_row(result.table, self.metric, self.sign)
         self.paths.append(self.path_record(self.best_trial, stages=True))
+        self.mark_selected(result, [self.paths[0]["selected_lambda"]])
         if len(self.seeds) > 1:
             print(f"\n== warmup strategy: the chosen setting on seeds {self.seeds[1:]} ==")
             space = with_search(self.space, self.best_config, {"seed": self.seeds[1:]})
-            result, code = self.sweep(space, "warmup-seeds", "warmup", "warmup path")
+            about = (f"Warm-up strategy on more seeds: the chosen setting "
+                     f"({', '.join(f'{k}={v}' for k, v in self.best_config.items()) or 'the space’s fixed values'})"
+                     f", one λ path ({order}) per seed")
+            result, code = self.sweep(space, "warmup-seeds", "warmup", "λ-path seeds", about)
             if code:
                 return code
             self.paths += [self.path_record(row, stages=True) for row in self.ok_rows(result.table)]
         return 0
 
     def separate(self) -> int:
+        from pfl.tune.path_compare import separate_per_seed
+
         # every λ the warm-up visited (the grid, and any λ it extended the grid by)
         # larger λ first: on S1 their fused models take longest to converge, and started last they would
         # run alone at the end while the other CPU idles (the order changes no result)
@@ -191,13 +218,22 @@ class Context:
         print(f"\n== separate strategy: every λ of {grid} from scratch until convergence "
               f"(at most {self.settings.budget} rounds), seeds {self.seeds} ==")
         space = with_search(self.space, self.best_config, search)
-        result, code = self.sweep(space, "separate", "separate", "separate")
+        chosen = ", ".join(f"{k}={v}" for k, v in self.best_config.items())
+        about = (f"Separate strategy: a grid over λ (every λ the warm-up visited), each trained from scratch until "
+                 f"convergence (at most {self.settings.budget} rounds)"
+                 + (f" with the warm-up's chosen {chosen}" if chosen else "")
+                 + f"; the λ with the best {self.metric} is the strategy's choice")
+        result, code = self.sweep(space, "separate", "separate", "separate λ grid", about)
         if code:
             return code
+        self.separate_table = result.table
         self.runs = [self.run_record(row) for row in self.ok_rows(result.table)]
         failed = len(result.table) - len(self.runs)
         if failed:
             print(f"separate: {failed} run(s) failed and are not counted (see the sweep's table)")
+        per_seed = separate_per_seed(self.runs, self.sign)
+        if per_seed:
+            self.mark_selected(result, [s["selected_lambda"] for s in per_seed])
         return 0
 
     # ---- records -------------------------------------------------------------------------------
@@ -217,10 +253,13 @@ class Context:
                   "decline_reached": float(row.get("fpfc/decline_reached", float("nan"))), "stages": [],
                   "run_id": row["mlflow_run_id"]}
         if stages:
-            record["stages"] = [{"lambda": st["lambda"], "rounds": st.get("rounds", float("nan")),
-                                 "converged": st.get("converged", 0.0), "val": st.get(self.metric, float("nan")),
-                                 "clusters": st.get("cluster/num", float("nan")),
-                                 "compute_s": st.get("cpu_s", float("nan"))}
+            nan = float("nan")
+            test = self.metric.replace("val/", "test/")
+            record["stages"] = [{"lambda": st["lambda"], "rounds": st.get("rounds", nan),
+                                 "converged": st.get("converged", 0.0), "val": st.get(self.metric, nan),
+                                 "test": st.get(test, nan), "clusters": st.get("cluster/num", nan),
+                                 "ari": st.get("cluster/ari", nan), "lineage": st.get("lineage", nan),
+                                 "compute_s": st.get("cpu_s", nan)}
                                 for st in stage_history(row["mlflow_run_id"])]
         return record
 
@@ -228,29 +267,42 @@ class Context:
         return {**self._common(row), "lambda": float(row["method.lam"])}
 
 
+TITLE = "FPFC λ tuning: warm-started path vs separate runs, to convergence (cf. the paper's Fig. 6, Table 2)"
+# a strategy row's figures on the pipeline run, under the names the trials give the same quantity
+ROW_METRICS = {"clusters": "cluster/num", "ari": "cluster/ari"}
+# the runs table's columns in the saved view the pipeline prints: the same names at every level
+VIEW_COLUMNS = [("metrics", "val/acc_mean"), ("metrics", "test/acc_mean"), ("tags", "pfl.selected_lambda"),
+                ("metrics", "cluster/num"), ("metrics", "fpfc/total_rounds"), ("params", "method.lam"),
+                ("params", "method.rho"), ("tags", "pfl.strategy")]
+
+
 def finish(ctx, wall: float) -> int:
-    """The comparison tables (printed, and on the pipeline run with the best path's plot)."""
+    """The comparison tables (printed, and on the pipeline run with the plots), the selected model's
+    metrics under the trials' names, and tags that say what each strategy selected."""
     import textwrap
 
     import pandas as pd
 
-    from pfl.tracking import run_hint
-    from pfl.tune.path_compare import markdown, per_lambda, separate_per_seed, strategy_row, verdict
-    from pfl.tune.path_report import plot_path, stage_metrics
+    from pfl.tracking import run_hint, runs_table_view
+    from pfl.tune.path_compare import explanation, markdown, per_lambda, separate_per_seed, strategy_row, verdict
+    from pfl.tune.path_report import plot_path, plot_selection, stage_metrics
 
     rows = []
+    separate_seeds = separate_per_seed(ctx.runs, ctx.sign) if ctx.runs else []
     if ctx.paths:
         rows.append(strategy_row("warmup", ctx.paths, noise_from=ctx.search))
-    if ctx.runs:
-        rows.append(strategy_row("separate", separate_per_seed(ctx.runs, ctx.sign)))
+    if separate_seeds:
+        rows.append(strategy_row("separate", separate_seeds))
     lambdas = per_lambda(ctx.paths, ctx.runs)
-    title = "== λ tuning: warm-started path vs separate runs, to convergence (cf. the paper's Fig. 6, Table 2) =="
-    notes = explanation(ctx, rows)
-    if len(rows) == 2:
-        notes.append(verdict(*rows))
-    text = "\n".join([title, markdown(rows, lambdas), ""] + [textwrap.fill(n, 100, subsequent_indent="  ")
-                                                              for n in notes])
+    notes = explanation(ctx.settings, rows, ctx.search, ctx.walls)
+    closing = [verdict(*rows)] if len(rows) == 2 else []
+    tables = markdown(rows, lambdas)
+    text = "\n".join([f"== {TITLE} ==", tables, ""] + [textwrap.fill(n, 100, subsequent_indent="  ")
+                                                        for n in notes + closing])
+    document = "\n".join([f"# {TITLE}", "", *(f"**{c}**\n" for c in closing), tables, "",
+                          "## How each figure was counted", "", *(f"- {n}" for n in notes)])
     top = ctx.top
+    playoff = stage_history(ctx.best_trial["mlflow_run_id"], "playoff/") if ctx.best_trial is not None else []
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         table = pd.DataFrame([{**r, "selected_lambda": " ".join(f"{v:g}" for v in r["selected_lambda"])}
@@ -258,7 +310,7 @@ def finish(ctx, wall: float) -> int:
         table.to_parquet(out / "strategies.parquet")
         table.to_csv(out / "strategies.csv", index=False)
         pd.DataFrame(lambdas).to_csv(out / "per_lambda.csv", index=False)
-        (out / "strategies.md").write_text(text + "\n")
+        (out / "strategies.md").write_text(document + "\n")
         for fname in ("strategies.parquet", "strategies.csv", "per_lambda.csv", "strategies.md"):
             top.log_artifact(out / fname)
         if ctx.best_trial is not None:
@@ -271,20 +323,76 @@ def finish(ctx, wall: float) -> int:
             if stages:
                 top.log_artifact(plot_path(stages, out / "lambda_path.png",
                                            f"best warmup trial ({ctx.settings.direction}); each λ at the end of "
-                                           "its stage", stage_history(run_id, "playoff/")), "plots")
+                                           "its stage", playoff), "plots")
+        if ctx.paths or ctx.runs:
+            score = "RMSE" if ctx.metric.endswith("rmse_mean") else "accuracy"
+            matches = [{"lambda": m["lambda"], "val": m.get(ctx.metric, float("nan")), "lineage": m.get("lineage", 0)}
+                       for m in playoff]
+            top.log_artifact(plot_selection(ctx.paths, ctx.runs, [s["selected_lambda"] for s in separate_seeds],
+                                            out / "lambda_selection.png", score, matches,
+                                            f"λ selection ({ctx.name}): warm-up path vs separate runs"), "plots")
     for row in rows:
-        top.log_metrics({f"{row['strategy']}/{k}": float(v) for k, v in row.items()
-                         if isinstance(v, (int, float)) and v == v and k not in ("strategy",)})
-        top.set_tags({f"selected_lambda.{row['strategy']}": " ".join(f"{v:g}" for v in row["selected_lambda"])})
+        name = row["strategy"]
+        metrics = {}
+        for key, value in row.items():
+            if key == "strategy" or not isinstance(value, (int, float)) or value != value:
+                continue
+            base, sd = (key[:-3], "_sd") if key.endswith("_sd") else (key, "")
+            base = {"val": ctx.metric, "test": ctx.metric.replace("val/", "test/"), **ROW_METRICS}.get(base, base)
+            metrics[f"{name}/{base}{sd}"] = float(value)
+        top.log_metrics(metrics)
+        top.set_tags({f"selected_lambda.{name}": " ".join(f"{v:g}" for v in row["selected_lambda"])})
+    selected = selected_trial(ctx)
+    if selected is not None:
+        # the model the pipeline selected (the warm-up's best path; the separate strategy's best run
+        # when only it ran), under its trials' metric names: one runs-table column compares all levels
+        top.log_metrics({k: float(selected[k]) for k in selected.index
+                         if "/" in k and isinstance(selected[k], (int, float)) and selected[k] == selected[k]})
+        lam = selected["fpfc/selected_lambda"] if "fpfc/selected_lambda" in selected else selected["method.lam"]
+        top.set_tags({"pfl.selected_lambda": f"{float(lam):g}", "pfl.selected_trial": str(selected["trial"]),
+                      "pfl.selected_run_id": str(selected["mlflow_run_id"])})
     if len(rows) == 2 and rows[0]["rounds"] and rows[0]["compute_s"]:
         top.log_metrics({"speedup/rounds": rows[1]["rounds"] / rows[0]["rounds"],
                          "speedup/compute": rows[1]["compute_s"] / rows[0]["compute_s"]})
-    top.log_metrics({"pipeline/wall_s": wall})
-    top.set_tags({"pfl.status": "finished"})
+    top.log_metrics({"search/paths": float(len(ctx.search)), "search/rounds": sum(r["rounds"] for r in ctx.search),
+                     "pipeline/wall_s": wall})
+    top.set_tags({"pfl.status": "finished", "mlflow.note.content": overview(ctx, rows, closing)})
     top.end("FINISHED")
     print("\n" + text)
     print(f"\npipeline wall time {wall:.0f} s; " + run_hint(top.run_id, what="MLflow pipeline run"))
+    view = runs_table_view(top.run_id, "tune_fpfc", VIEW_COLUMNS,
+                           "tune_fpfc: the selected λ and its accuracy at every level")
+    if view:
+        print(view)
     return 0
+
+
+def selected_trial(ctx):
+    """The table row of the trial whose model the pipeline selected: the warm-up's best path, or with
+    only the separate strategy the first seed's best λ."""
+    if ctx.best_trial is not None:
+        return ctx.best_trial
+    table = ctx.separate_table
+    if table is None or not len(table):
+        return None
+    ok = table[table["status"] == "OK"]
+    if "seed" in ok:
+        ok = ok[ok["seed"] == ctx.seeds[0]]
+    return best_row(ok, ctx.metric, ctx.sign) if len(ok) else None
+
+
+def overview(ctx, rows: list[dict], closing: list[str]) -> str:
+    """The pipeline run's description (its Overview page, Markdown): what it compares, the result,
+    where the rest is."""
+    from pfl.tune.path_compare import markdown
+
+    parts = ["FPFC's λ tuning: a warm-started λ path against every λ trained from scratch (the paper's Table 2). "
+             "The sweeps are child runs, their trials grandchildren. `val/acc_mean`, `test/acc_mean`, `cluster/*` "
+             "here are the selected model's (tag `pfl.selected_trial`), as on its trial and sweep.", ""]
+    parts += [*(f"**{c}**\n" for c in closing), markdown(rows, []), "",
+              "Per λ and how each figure was counted: `strategies.md`; the λ choice of both strategies: "
+              "`plots/lambda_selection.png`."]
+    return "\n".join(parts)[:5000]
 
 
 def pipeline_run(name: str, args, preset: str | None, settings):
@@ -309,44 +417,6 @@ def pipeline_run(name: str, args, preset: str | None, settings):
     state.parent.mkdir(parents=True, exist_ok=True)
     state.write_text(json.dumps({"run_id": top.run_id}))
     return top
-
-
-def explanation(ctx, rows: list[dict]) -> list[str]:
-    """How each strategy ran and how each figure was counted (printed under the tables and kept in
-    strategies.md)."""
-    s = ctx.settings
-    rule = (f"until convergence (the best validation score of its last {s.window} evaluations, one every "
-            f"{s.eval_every} rounds, at most {s.tolerance:g} above its best before them)")
-    lines = []
-    for r in rows:
-        if r["strategy"] == "warmup":
-            extend = f", extended past its end while validation still rose (at most {s.extend} λ)" if s.extend else ""
-            playoff = (f"the {s.finalists} best stages continued from their own states to equal lineage rounds (the "
-                       f"latest one's + {s.playoff_rounds}) and compared there; the best of them " if s.finalists > 1
-                       else "the best stage ")
-            order = " → ".join(f"{v:g}" for v in s.ordered())
-            lines.append(f"warmup: per seed one path through λ = {order}{extend}, "
-                         f"each stage {rule} or {s.stage_cap} rounds; {playoff}continued until convergence; no "
-                         f"lineage past {s.budget} rounds.")
-        else:
-            lines.append(f"separate: every λ the warm-up visited trained from scratch {rule}, at most {s.budget} "
-                         "rounds; the λ with the best final validation score selected.")
-    search = sum(r["rounds"] for r in ctx.search)
-    lines.append("columns: val / test acc = mean over clients of each client's own model on its validation / test "
-                 "split, for the selected model (evaluated once more at the end, with the final read-out); clusters "
-                 "and ARI = that model's read-out (components of ‖θ_ij‖ < ν) against the true clusters.")
-    lines.append(
-        "counting: rounds = every round one side computed for one (ρ, lr) setting and seed (warm-up: its path, "
-        "playoff and final continuation; separate: every λ's run); compute s = the CPU seconds of those trials "
-        "(rounds and evaluations; on shared CPUs a round's wall time moves with the load, so the sweeps' wall times "
-        + ", ".join(f"{k} {v:.0f} s" for k, v in ctx.walls.items()) + " are not like for like); the (ρ, lr) search "
-        f"({len(ctx.search)} warm-up trial(s), {search:.0f} rounds, the best of them the first seed's path) is charged "
-        "to neither side; ± = sample standard deviation over seeds, or with one seed the spread of the warm-up "
-        "search trials (other ρ, lr: more than seed noise). converged = models (warm-up: final models; separate: "
-        "every λ's run) that ended on the rule rather than at the budget.")
-    lines.append("per λ: rounds each λ trained until convergence, as a warm-started path stage and from scratch "
-                 "(the paper's Fig. 6 bars), mean over seeds.")
-    return lines
 
 
 def stopped(strategy: str, result, space, top, argv) -> int:

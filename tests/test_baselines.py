@@ -104,13 +104,13 @@ def test_scaffold_option_two_control_variate_is_the_mean_path_gradient():
     for k in theta:
         mean_grad = sum(g[k] for g in path_grads) / 4
         torch.testing.assert_close(client.state["c"][k], mean_grad, rtol=1e-3, atol=1e-5)
-        torch.testing.assert_close(reply[f"dy/{k}"], y[k] - theta[k], rtol=1e-4, atol=1e-6)
-        torch.testing.assert_close(reply[f"dc/{k}"], client.state["c"][k] - c_k[k])
+        torch.testing.assert_close(reply.tensors("dy")[k], y[k] - theta[k], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(reply.tensors("dc")[k], client.state["c"][k] - c_k[k])
     # server: θ += mean Δy (η_g = 1), c += (1/N) Σ Δc
     method.aggregate(0, {0: reply})
     for k in theta:
-        torch.testing.assert_close(method.global_model[k], theta[k] + reply[f"dy/{k}"])
-        torch.testing.assert_close(method.c[k], c[k] + reply[f"dc/{k}"] / sim.num_clients)
+        torch.testing.assert_close(method.global_model[k], theta[k] + reply.tensors("dy")[k])
+        torch.testing.assert_close(method.c[k], c[k] + reply.tensors("dc")[k] / sim.num_clients)
 
 
 # ---- FedDyn --------------------------------------------------------------------------------------
@@ -168,7 +168,7 @@ def test_fedadam_first_step_closed_form():
     theta = dict(method.global_model)
     gen = torch.Generator().manual_seed(0)
     models = [{k: v + 0.01 * torch.randn(v.shape, generator=gen) for k, v in theta.items()} for _ in range(2)]
-    method.aggregate(0, {0: Message.of(models[0], n=10), 1: Message.of(models[1], n=30)})
+    method.aggregate(0, {0: Message.model(models[0], n=10), 1: Message.model(models[1], n=30)})
     for k in theta:
         delta = (10 * models[0][k] + 30 * models[1][k]) / 40 - theta[k]
         step = 0.03 * (1 - 0.9) * delta / (torch.sqrt((1 - 0.99) * delta ** 2) + 1e-3)
@@ -188,28 +188,6 @@ def test_ditto_personal_gradient_is_loss_gradient_plus_lambda_pull():
     for k in v:
         expected = v[k] - sim.ctx.lr(0) * (g[k] + 0.7 * (v[k] - theta[k]))
         torch.testing.assert_close(one.params[k], expected, rtol=1e-5, atol=1e-6)
-
-
-def test_ditto_lambda_zero_personal_model_is_a_local_model():
-    sim = Simulator(small_config(method__name="ditto", method__lam=0.0, federation__clients_per_round=0))
-    init = dict(sim.method.global_model)
-    run_rounds(sim)
-    for cid in range(sim.num_clients):
-        c = sim.client(cid)
-        v = dict(init)
-        for rnd in range(3):
-            v = c.train(v, rnd, epochs=1, steps=None, tag="personal").params
-        for k in v:
-            torch.testing.assert_close(sim.personal_params(cid)[k], v[k])
-
-
-def test_ditto_large_lambda_tracks_the_global_model():
-    sim = Simulator(small_config(method__name="ditto", method__lam=1e4, method__personal_lr=1e-4,
-                                 federation__clients_per_round=0, federation__rounds=1))
-    received = dict(sim.method.global_model)
-    run_rounds(sim)
-    gap = max(float((sim.personal_params(0)[k] - received[k]).abs().max()) for k in received)
-    assert gap < 1e-3
 
 
 # ---- APFL ------------------------------------------------------------------------------------------
@@ -248,7 +226,7 @@ def test_apfl_one_step_updates_w_v_and_alpha(mix):
         direct = sum(((v[k] - theta[k]) * v_grad[k] / a).sum() for k in v)
         torch.testing.assert_close(a_grad, direct, rtol=1e-4, atol=1e-7)
     for k in theta:
-        torch.testing.assert_close(reply[k], theta[k] - lr * w_grad[k], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(reply.tensors()[k], theta[k] - lr * w_grad[k], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(client.state["v"][k], v[k] - lr * v_grad[k], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(client.state["alpha"], torch.clamp(a - lr * a_grad, 0, 1), rtol=1e-5, atol=1e-7)
 
@@ -276,13 +254,13 @@ def test_fedrep_trains_head_then_body_each_with_the_other_frozen(monkeypatch):
     assert [c[2] for c in calls] == [groups.head, groups.body]
     (in1, out1, _), (in2, out2, _) = calls
     for k in groups.body:
-        assert torch.equal(in1[k], msg[k]) and torch.equal(out1[k], in1[k])  # body frozen in head epochs
+        assert torch.equal(in1[k], msg.tensors()[k]) and torch.equal(out1[k], in1[k])  # body frozen in head epochs
         assert not torch.equal(out2[k], in2[k])
     for k in groups.head:
         torch.testing.assert_close(in1[k], method.init_own[k] + 0.3)  # starts from the client's own head
         assert not torch.equal(out1[k], in1[k])
         assert torch.equal(out2[k], in2[k])  # head frozen in body epochs
-    assert set(reply) == set(groups.body)
+    assert set(reply.tensors()) == set(groups.body)
     assert all(torch.equal(client.state["own"][k], out2[k]) for k in groups.head)
 
 
@@ -334,17 +312,6 @@ def test_perfedavg_hessian_free_matches_exact_hessian_vector_product():
         assert not torch.allclose(exact[k], g[k])  # the Hessian term matters
 
 
-def test_perfedavg_personal_model_is_one_adaptation_step():
-    sim = Simulator(small_config(method__name="perfedavg", method__variant="hf", method__alpha=0.02))
-    run_rounds(sim)
-    c = sim.client(4)
-    theta = sim.method.global_model
-    expected = c.train(theta, 2, lr=0.02, steps=1, tag="adapt").params
-    personal = sim.personal_params(4)
-    assert all(torch.equal(personal[k], expected[k]) for k in theta)
-    assert any(not torch.equal(personal[k], theta[k]) for k in theta)
-
-
 # ---- pFedMe ----------------------------------------------------------------------------------------
 
 def test_pfedme_server_beta_one_is_the_average_and_beta_mixes():
@@ -353,7 +320,7 @@ def test_pfedme_server_beta_one_is_the_average_and_beta_mixes():
         theta = dict(sim.method.global_model)
         gen = torch.Generator().manual_seed(0)
         models = [{k: v + torch.randn(v.shape, generator=gen) for k, v in theta.items()} for _ in range(2)]
-        sim.method.aggregate(0, {0: Message.of(models[0], n=1), 1: Message.of(models[1], n=3)})
+        sim.method.aggregate(0, {0: Message.model(models[0], n=1), 1: Message.model(models[1], n=3)})
         for k in theta:
             avg = (models[0][k] + 3 * models[1][k]) / 4
             torch.testing.assert_close(sim.method.global_model[k], (1 - beta) * theta[k] + beta * avg)
@@ -375,7 +342,7 @@ def test_pfedme_inner_steps_approach_the_prox_point_and_outer_step_moves_w():
     assert residual < 1e-5
     assert max(float((theta[k] - w0[k]).abs().max()) for k in w0) > 1e-2  # it did move
     for k in w0:
-        torch.testing.assert_close(reply[k], w0[k] - eta * lam * (w0[k] - theta[k]))
+        torch.testing.assert_close(reply.tensors()[k], w0[k] - eta * lam * (w0[k] - theta[k]))
 
 
 # ---- configuration errors ----------------------------------------------------------------------------
@@ -431,21 +398,25 @@ def test_compare_baselines_pipeline_logs_parent_table_and_children(tmp_path):
         ["fedavg", "scaffold", "fedrep"], scenario="digits_dir05", quick=True,
         overrides=["data.source=digits", "data.max_samples=null", "data.num_clients=6", "federation.rounds=2",
                    "federation.clients_per_round=3", "federation.eval_every=1"],
-        out=tmp_path, progress=None)
+        out=tmp_path, progress=None, seeds=[0, 1], last=2)
     table = result["table"]
     assert list(table["method"]) == ["fedavg", "scaffold", "fedrep"]
-    assert (table["status"] == "FINISHED").all()
+    assert (table["seeds"] == 2).all()
+    runs = result["records"]
+    assert len(runs) == 6 and all(r["status"] == "FINISHED" for r in runs)
     by = table.set_index("method")
-    assert by.loc["scaffold", "total_bytes"] == 2 * by.loc["fedavg", "total_bytes"]
-    assert by.loc["fedrep", "total_bytes"] < by.loc["fedavg", "total_bytes"]
-    assert math.isnan(by.loc["fedrep", "global_acc"]) and by.loc["fedavg", "global_acc"] > 0
+    assert by.loc["scaffold", "total_bytes_mean"] == 2 * by.loc["fedavg", "total_bytes_mean"]
+    assert by.loc["fedrep", "total_bytes_mean"] < by.loc["fedavg", "total_bytes_mean"]
+    assert math.isnan(by.loc["fedrep", "global_acc_mean"]) and by.loc["fedavg", "global_acc_mean"] > 0
+    assert (table["mark"] == "ref").sum() == 1   # the best row is the reference
     text = (tmp_path / "baselines_table.md").read_text()
-    assert sum(ln.startswith("|") for ln in text.splitlines()) == 5 and "CIFAR-10" in text
+    assert sum(ln.startswith("|") for ln in text.splitlines()) == 5 and "CIFAR-10" in text and "±" in text
     mc = client()
     parent = mc.get_run(result["parent_run_id"])
     artifacts = {a.path for a in mc.list_artifacts(parent.info.run_id)}
-    assert {"baselines_table.csv", "baselines_table.md"} <= artifacts
+    assert {"baselines_table.csv", "baselines_table.md", "baselines_table_runs.csv"} <= artifacts
     children = mc.search_runs([parent.info.experiment_id],
                               filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
-    assert sorted(r.info.run_name for r in children) == ["fedavg", "fedrep", "scaffold"]
+    assert sorted(r.info.run_name for r in children) == sorted(f"{m} [seed {s}]" for m in ("fedavg", "fedrep", "scaffold")
+                                                               for s in (0, 1))
     assert all("test/acc_mean" in r.data.metrics for r in children)

@@ -9,7 +9,7 @@ import torch
 
 from helpers import clustered, small_config, straight_and_resumed
 from pfl.callbacks.divergence import run_rounds
-from pfl.federation.messages import Message
+from pfl.federation.messages import Message, Model, Scalars, Update
 from pfl.federation.simulator import Simulator
 from pfl.methods.cfl import bipartition, split_members
 from pfl.methods.pacfl import cluster_by_threshold, data_basis, proximity
@@ -54,7 +54,9 @@ def test_ifca_averages_per_chosen_cluster_and_leaves_unchosen_untouched():
     gen = torch.Generator().manual_seed(1)
     models = [{k: torch.randn(v.shape, generator=gen) for k, v in before[0].items()} for _ in range(3)]
     choice = [0, 2, 0]
-    replies = {cid: Message.of({**models[cid], "cluster": torch.tensor([choice[cid]], dtype=torch.uint8)}, n=10 + cid)
+    replies = {cid: Message.of({"model": Model(models[cid], base=f"cluster{choice[cid]}"),
+                                "choice": Scalars({"cluster": torch.tensor([choice[cid]], dtype=torch.uint8)})},
+                               n=10 + cid)
                for cid in range(3)}
     method.aggregate(0, replies)
     for name in before[0]:
@@ -104,7 +106,8 @@ def test_cfl_split_step_on_a_subset_cluster():
     dim = sum(v.numel() for v in method.models[0].values())
     a, b, _ = _opposite_updates(3, 3, dim=dim)
     flat = {2: a[0], 4: a[1], 6: a[2], 3: b[0], 5: b[1], 7: b[2]}
-    replies = {cid: Message.of(unflatten_params(u.clone(), method.models[0], names), n=5) for cid, u in flat.items()}
+    replies = {cid: Message.of({"delta": Update(unflatten_params(u.clone(), method.models[0], names))}, n=5)
+               for cid, u in flat.items()}
     old = [dict(m) for m in method.models]
     method.aggregate(3, replies)
     assert method.clusters == [[0, 1], [2, 4, 6], [3, 5, 7]]

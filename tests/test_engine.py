@@ -10,7 +10,7 @@ from torch.func import functional_call
 from helpers import small_config, straight_and_resumed
 from pfl.aggregation import weighted_average
 from pfl.callbacks.divergence import run_rounds
-from pfl.federation.messages import Encoded, LowRank, Message
+from pfl.federation.messages import Encoded, LowRank, Message, Model, Scalars, State, Update
 from pfl.federation.simulator import Simulator
 from pfl.resolver import load, with_overrides
 from pfl.schema import ConfigError
@@ -72,13 +72,17 @@ def test_cli_rejects_bad_config_before_training(tmp_path):
 # ---- messages and aggregation --------------------------------------------------------------------
 
 def test_message_bytes_are_measured_from_entries():
-    msg = Message.of({"w": torch.zeros(10, 3), "b": torch.zeros(3, dtype=torch.float64),
-                      "lr": LowRank(torch.zeros(8, 2), torch.zeros(2, 5)),
-                      "q": Encoded(torch.zeros(100), bits=203, values=10)})
-    assert msg.nbytes() == 10 * 3 * 4 + 3 * 8 + (8 + 5) * 2 * 4 + 26
-    assert msg.num_params() == 30 + 3 + 26 + 10
-    dense = msg.tensors()
-    assert dense["lr"].shape == (8, 5)
+    msg = Message.of({"model": Model({"w": torch.zeros(10, 3), "lr": LowRank(torch.zeros(8, 2), torch.zeros(2, 5))}),
+                      "extra": State({"b": torch.zeros(3, dtype=torch.float64)}),
+                      "delta": Update({"q": Encoded(torch.zeros(100), bits=203, values=10)}),
+                      "index": Scalars({"k": torch.zeros(1, dtype=torch.int64)})})
+    assert msg.nbytes() == 10 * 3 * 4 + 3 * 8 + (8 + 5) * 2 * 4 + 26 + 8
+    assert msg.num_params() == 30 + 3 + 26 + 10 + 1
+    assert msg.tensors("model")["lr"].shape == (8, 5)
+    with pytest.raises(KeyError, match="name the one"):  # which part is meant is never guessed
+        msg.tensors()
+    with pytest.raises(TypeError, match="must be a Part"):
+        Message.of({"w": torch.zeros(3)})
 
 
 def test_weighted_average_matches_direct_sum():

@@ -16,6 +16,7 @@ from pfl.federation.checkpoint import CheckpointError, load_checkpoint, save_che
 from pfl.federation.drivers import simulator_for
 from pfl.federation.loop import Callback, RoundLoop
 from pfl.federation.simulator import Simulator
+from pfl.federation.wire import Stage
 from pfl.federation.state import encode
 from pfl.metric_catalog import metric_known, reported_metrics
 from pfl.schema import ConfigError
@@ -67,7 +68,7 @@ def test_receiver_edits_never_reach_the_sender():
         t.mul_(-3.0)
     sim.method.aggregate(0, {0: reply})
     same(sim.client_states[0]["personal"], kept)
-    assert all(not torch.equal(reply[k], trained[k]) for k in trained)
+    assert all(not torch.equal(reply.tensors()[k], trained[k]) for k in trained)
 
 
 def test_fpfc_server_keeps_its_own_copy_of_the_uploaded_models():
@@ -80,16 +81,18 @@ def test_fpfc_server_keeps_its_own_copy_of_the_uploaded_models():
     assert torch.equal(sim.method.W, w_server)
 
 
-def test_an_attack_on_the_uplink_cannot_reach_the_clients_kept_state():
-    def sign_flip(msg, direction, rnd, cid):
-        if direction == "up":
-            for t in msg.entries.values():
-                if isinstance(t, torch.Tensor) and t.is_floating_point():
-                    t.neg_()            # in place, on the delivered copy
-        return msg
+def test_a_stage_on_the_uplink_cannot_reach_the_clients_kept_state():
+    class SignFlip(Stage):
+        key = "flip"
+
+        def send_up(self, phase, client, msg, notes):
+            for part in msg.parts.values():
+                for t in part.entries.values():
+                    t.neg_()            # in place, on the sender's side of the wire
+            return msg
 
     cfg = small_config(method__name="fpfc", federation__clients_per_round=0, federation__rounds=2)
-    clean, attacked = Simulator(cfg), Simulator(cfg, transforms=[sign_flip])
+    clean, attacked = Simulator(cfg), Simulator(cfg, stages=[SignFlip()])
     clean.run_round()
     attacked.run_round()
     # the clients trained identically and kept what they trained; the server got the flipped models

@@ -80,12 +80,13 @@ def test_factorized_message_bytes_and_dense_fallback():
         tau = {"low": float(s[1] + s[2]) / 2, "high": float(s[-1]) / 2, "zero": float(s[0]) + 1}[name]
         params[name], layers[name] = lowrank.threshold(base, tau)
     params["bias"] = torch.randn(5, generator=gen)
-    msg = Message(lowrank.encode(params, layers))
-    assert isinstance(msg["low"], LowRank) and layers["low"].rank == 2
-    assert msg["low"].nbytes() == (30 + 20) * 2 * 4
+    msg = Message.model(lowrank.encode(params, layers))
+    entries = msg["model"].entries
+    assert isinstance(entries["low"], LowRank) and layers["low"].rank == 2
+    assert entries["low"].nbytes() == (30 + 20) * 2 * 4
     # rank 5 of a 6×5 matrix: factors (6+5)·5 = 55 > 30 dense values, so the dense tensor goes
-    assert isinstance(msg["high"], torch.Tensor) and msg["high"].shape == (6, 5)
-    assert isinstance(msg["zero"], LowRank) and layers["zero"].rank == 0 and msg["zero"].nbytes() == 0
+    assert isinstance(entries["high"], torch.Tensor) and entries["high"].shape == (6, 5)
+    assert isinstance(entries["zero"], LowRank) and layers["zero"].rank == 0 and entries["zero"].nbytes() == 0
     assert msg.nbytes() == (50 * 2 + 30 + 0 + 5) * 4
     decoded = lowrank.decode(msg)
     for name, value in params.items():
@@ -152,7 +153,7 @@ def test_model_params_count_matches_the_message():
     msg = sim.method.broadcast(sim.round, 0)
     assert msg.num_params() == sim.method.gkr_params()
     assert msg.nbytes() == 4 * sim.method.gkr_params()
-    assert any(isinstance(e, LowRank) for e in msg.values())
+    assert any(isinstance(e, LowRank) for e in msg["model"].entries.values())
 
 
 def test_mixed_model_beats_gkr_on_personalized_accuracy():
@@ -206,7 +207,7 @@ def test_unknown_lowrank_exclude_is_a_config_error_and_exclusion_works():
     sim = Simulator(fedslr_config(method__lam=1e-2, method__lowrank_exclude=["fc2.weight"], federation__rounds=2))
     final = run_rounds(sim)[-1]
     assert "model/rank/fc2.weight" not in final and "model/rank/fc1.weight" in final
-    assert isinstance(sim.method.broadcast(2, 0)["fc2.weight"], torch.Tensor)
+    assert isinstance(sim.method.broadcast(2, 0)["model"].entries["fc2.weight"], torch.Tensor)
 
 
 def test_search_space_loads_and_validates():

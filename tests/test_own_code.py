@@ -102,7 +102,7 @@ class FedAvgMix(FedAvg):
     def local_update(self, rnd, client, msg):
         result = client.train(msg.tensors(), rnd)
         client.state["local"] = result.params
-        return Message.of(result.params, train_loss=result.mean_loss, n=client.n_train)
+        return Message.model(result.params, base="model", train_loss=result.mean_loss, n=client.n_train)
 
     def personal_params(self, rnd, client, received):
         local = client.state.get("local")

@@ -11,7 +11,7 @@ from torch.func import functional_call
 
 from helpers import small_config, straight_and_resumed
 from pfl.callbacks.divergence import run_rounds
-from pfl.federation.messages import Message
+from pfl.federation.messages import Logits, Message
 from pfl.federation.simulator import Simulator
 from pfl.methods.perfed_ckt import assign_architectures, regulariser
 from pfl.models import build_model, params_of
@@ -58,10 +58,10 @@ def test_client_that_never_uploaded_gets_nothing():
 
 
 def test_message_sizes_vs_paper_models_at_least_100x():
-    logits = Message.of({"logits": torch.zeros(2000, 10)}).nbytes()
+    logits = Message.of({"logits": Logits({"logits": torch.zeros(2000, 10)})}).nbytes()
     assert logits == 2000 * 10 * 4
     for name in ("vgg11", "vgg13"):
-        model_bytes = Message.of(params_of(build_model(name, {}, (3, 32, 32), 10))).nbytes()
+        model_bytes = Message.model(params_of(build_model(name, {}, (3, 32, 32), 10))).nbytes()
         assert model_bytes / logits >= 100, (name, model_bytes)
 
 
@@ -79,7 +79,7 @@ def test_kmeans_recovers_hand_made_groups_and_sends_group_mean():
     sim = Simulator(ckt_config(data__num_clients=7, method__public_size=20, method__k=2))
     meth = sim.method
     groups, z = _two_groups(20)
-    meth.aggregate(0, {cid: Message.of({"logits": z[cid]}) for cid in range(6)})
+    meth.aggregate(0, {cid: Message.of({"logits": Logits({"logits": z[cid]})}) for cid in range(6)})
     assign = meth.assign[:6].numpy()
     assert adjusted_rand_score(groups, assign) == 1.0
     for cid in range(6):
@@ -94,8 +94,8 @@ def test_k1_target_is_mean_of_all_stored_including_stale():
     sim = Simulator(ckt_config(method__public_size=20, method__k=1))
     meth = sim.method
     _, z = _two_groups(20)
-    meth.aggregate(0, {cid: Message.of({"logits": z[cid]}) for cid in range(4)})
-    meth.aggregate(1, {cid: Message.of({"logits": z[cid]}) for cid in (4, 5)})  # 0..3 now stale
+    meth.aggregate(0, {cid: Message.of({"logits": Logits({"logits": z[cid]})}) for cid in range(4)})
+    meth.aggregate(1, {cid: Message.of({"logits": Logits({"logits": z[cid]})}) for cid in (4, 5)})  # 0..3 now stale
     mean = torch.stack(z).mean(0)
     for cid in range(6):
         torch.testing.assert_close(meth.broadcast(2, cid).tensors()["centroid"], mean)
@@ -107,7 +107,7 @@ def test_partial_public_rows_only_known_entries_are_targets():
     groups, z = _two_groups(8)
     rows0 = meth.rows(0)
     assert len(rows0) == 8 and not torch.equal(rows0, meth.rows(1))
-    meth.aggregate(0, {cid: Message.of({"logits": z[cid]}) for cid in range(6)})
+    meth.aggregate(0, {cid: Message.of({"logits": Logits({"logits": z[cid]})}) for cid in range(6)})
     rows1 = meth.rows(1)
     for cid in range(6):
         sent = meth.broadcast(1, cid).tensors()["centroid"]
@@ -128,7 +128,7 @@ def test_lambda_zero_is_local_exactly():
                   federation__clients_per_round=4, federation__rounds=3)
     local = Simulator(small_config(method__name="local", **common))
     run_rounds(local)
-    arch = [{"name": "mlp", "params": {"hidden": [16]}}]  # = model.name/params: Local's model and init
+    arch = []  # the default: model.name/params, Local's model and init
     ckt = Simulator(ckt_config(method__lam=0.0, method__architectures=arch, **common))
     run_rounds(ckt)
     assert ckt.ledger.up_bytes > 0  # it still talked, but the talk had no effect
@@ -208,11 +208,37 @@ def test_artifacts_and_resume(tmp_path):
     assert [int(r["cluster"]) for r in rows] == straight.method.assign.tolist()
 
 
-def test_public_set_same_heldout_avoids_client_samples_when_possible():
-    with_pool = Simulator(ckt_config(data__max_samples=600, method__public_size=200)).method.public
-    assert not with_pool.overlap and len(with_pool) == 200
-    whole = Simulator(ckt_config(method__public_size=5000)).method.public
-    assert whole.overlap and len(whole) == 1797  # digits has 1,797 samples: capped, overlapping
+def _rows_held_by_clients(sim, x_pub):
+    """How many public rows equal some client's sample (train, val or test), by content."""
+    held = {tuple(row.tolist()) for c in sim.data.clients for x in (c.x_train, c.x_val, c.x_test) for row in x}
+    return sum(tuple(row.tolist()) in held for row in x_pub)
+
+
+def test_public_set_is_disjoint_from_client_data_by_default_and_counts_its_overlap(caplog):
+    sim = Simulator(ckt_config(data__max_samples=600, method__public_size=200))
+    pub = sim.method.public
+    assert pub.overlap == 0 and len(pub) == 200
+    assert _rows_held_by_clients(sim, pub.x) == 0                 # checked by content, not by index
+    run_rounds(sim)
+    assert sim.history[-1]["ckt/public_overlap"] == 0.0
+    # fewer unused samples than asked for: the smaller disjoint pool, with a warning
+    with caplog.at_level("WARNING", logger="pfl.methods.public_set"):
+        small = Simulator(ckt_config(data__max_samples=1700, method__public_size=500)).method.public
+    assert small.overlap == 0 and len(small) == 1797 - 1700 and "held by no client" in caplog.text
+    # the partition uses every sample: the overlap cannot be zero, is counted and warned about
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="pfl.methods.public_set"):
+        whole = Simulator(ckt_config(method__public_size=300))
+    assert whole.method.public.overlap == 300 == _rows_held_by_clients(whole, whole.method.public.x)
+    assert "belongs to a client" in caplog.text
+
+
+def test_default_architecture_is_the_runs_model():
+    sim = Simulator(small_config(method__name="perfed_ckt", model__name="mlp", model__params={"hidden": [16]},
+                                 method__public_size=40, data__max_samples=600))
+    archs = {type(sim.client_role.client_model(c)).__name__ for c in range(sim.num_clients)}
+    assert archs == {"MLP"} and [a.name for a in sim.method.archs] == ["mlp"]
+    assert sim.method.archs[0].params == {"hidden": [16]}
 
 
 # ---- the regulariser ---------------------------------------------------------------------------------

@@ -33,11 +33,11 @@ def _recording(sim):
     receive, aggregate = sim.method.receive, sim.method.aggregate
 
     def record_receive(rnd, cid, reply):
-        seen[cid] = ({k: v.clone() for k, v in reply.tensors().items()}, reply.info["n"])
+        seen[cid] = ({k: v.clone() for k, v in reply.params().items()}, reply.info["n"])
         return receive(rnd, cid, reply)
 
     def record_aggregate(rnd, replies):
-        given.append({cid: len(r.entries) for cid, r in replies.items()})
+        given.append({cid: len(r.parts) for cid, r in replies.items()})
         return aggregate(rnd, replies)
 
     sim.method.receive, sim.method.aggregate = record_receive, record_aggregate
@@ -107,14 +107,15 @@ def test_a_trained_model_the_client_did_not_keep_goes_up_without_a_copy_and_a_ke
 
         def recording(rnd, client, msg, local_update=local_update, produced=produced):
             reply = local_update(rnd, client, msg)
-            produced.update(reply.entries)
+            produced.update(reply.params())
             return reply
 
         object.__setattr__(sim.client_role, "local_update", recording)
         sim.method.begin_round(0, [0])
         reply = uplink(sim, 0, downlink(sim, 0))
-        same_objects = [reply[k] is produced[k] for k in produced]
+        delivered = reply.params()
+        same_objects = [delivered[k] is produced[k] for k in produced]
         assert all(same_objects) if handed else not any(same_objects), name
         if not handed:  # FPFC keeps its w: the server's copy shares no storage with it
             kept = {t.untyped_storage().data_ptr() for t in sim.client_states[0]["w"].values()}
-            assert not kept & {t.untyped_storage().data_ptr() for t in reply.tensors().values()}
+            assert not kept & {t.untyped_storage().data_ptr() for t in delivered.values()}

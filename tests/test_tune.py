@@ -329,7 +329,7 @@ def test_tune_fpfc_smoke_logs_path_table_and_best_lambda(ray_cluster, tmp_path):
     assert "counting: rounds = every round one side computed" in flat and "Trial status" not in out
     assert re.search(r"warmup vs separate: λ [0-9./]+ vs [0-9./]+, test acc [+-][0-9.]+ pt \(", flat)
     # progress: trials identified by what they try, stage ends announced
-    assert re.search(r"\] warmup path [^:]*: round \d+ .*stage λ=[0-9.]+ ended", out), out[-3000:]
+    assert re.search(r"\] λ-path [^:]*: round \d+ .*stage λ=[0-9.]+ ended", out), out[-3000:]
     mc = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
     runs = [r for e in mc.search_experiments() for r in mc.search_runs([e.experiment_id])]
     top = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
@@ -366,3 +366,77 @@ def test_tune_fpfc_smoke_logs_path_table_and_best_lambda(ray_cluster, tmp_path):
     for sweep in sweeps:
         assert "trials.parquet" in {a.path for a in mc.list_artifacts(sweep.info.run_id)}
     assert "plots" in {a.path for a in mc.list_artifacts(warm_trials[0].info.run_id)}
+    _check_what_a_person_sees(mc, out, top, sweeps, warm_trials, separate, rows, tmp_path)
+
+
+def _check_what_a_person_sees(mc, out, top, sweeps, warm_trials, separate, rows, tmp_path):
+    """Issue 28: the tuning result at a glance in the tracking store."""
+    import re
+
+    from PIL import Image
+
+    from pfl.tracking_store import MODEL_TRAINING_VIEW
+
+    # the closing line: the pipeline run's page in the model-training view
+    assert re.search(rf"#/experiments/\d+/runs/{top.info.run_id}\?{MODEL_TRAINING_VIEW}", out)
+    # short names, what tells runs apart first
+    by_strategy = {s.data.tags["pfl.strategy"]: s for s in sweeps}
+    assert {by_strategy["warmup"].info.run_name, by_strategy["separate"].info.run_name} == \
+        {"λ-path sweep", "separate λ grid"}
+    assert all(t.info.run_name.startswith("λ-path ρ=") for t in warm_trials), [t.info.run_name for t in warm_trials]
+    assert all(re.fullmatch(r"λ=[0-9.]+ separate", t.info.run_name) for t in separate), \
+        [t.info.run_name for t in separate]
+    # selected_lambda only where a selection happened, and the same value at every level
+    assert all("pfl.selected_lambda" not in t.data.tags and "fpfc/selected_lambda" not in t.data.metrics
+               for t in separate)
+    assert all(float(t.data.tags["pfl.selected_lambda"]) == t.data.metrics["fpfc/selected_lambda"]
+               for t in warm_trials)
+    assert float(by_strategy["warmup"].data.tags["pfl.selected_lambda"]) == float(rows["warmup"])
+    assert float(by_strategy["separate"].data.tags["pfl.selected_lambda"]) == float(rows["separate"])
+    assert float(top.data.tags["pfl.selected_lambda"]) == float(rows["warmup"])
+    # one name per quantity: the selected trial's val/acc_mean on its sweep and on the pipeline run
+    chosen = mc.get_run(top.data.tags["pfl.selected_run_id"])
+    assert top.data.tags["pfl.selected_trial"] == chosen.info.run_name == by_strategy["warmup"].data.tags["pfl.best_trial"]
+    for key in ("val/acc_mean", "test/acc_mean", "cluster/num"):
+        assert top.data.metrics[key] == by_strategy["warmup"].data.metrics[key] == chosen.data.metrics[key]
+    best_separate = max(separate, key=lambda t: t.data.metrics["val/acc_mean"])
+    assert by_strategy["separate"].data.metrics["val/acc_mean"] == best_separate.data.metrics["val/acc_mean"]
+    assert top.data.metrics["warmup/val/acc_mean"] == top.data.metrics["val/acc_mean"]  # one seed, one path
+    # descriptions say what each sweep searches; params are what the trials ran
+    separate_note = by_strategy["separate"].data.tags["mlflow.note.content"]
+    assert "grid over λ" in separate_note and "method.lam ∈ {" in separate_note and "optuna" not in separate_note.lower()
+    assert "method.rho ∈ {" in by_strategy["warmup"].data.tags["mlflow.note.content"]
+    for sweep in sweeps:
+        params = sweep.data.params
+        assert params["base.federation.eval_every"] == params["path.eval_every"] == \
+            warm_trials[0].data.params["federation.eval_every"]
+        assert "base.federation.rounds" not in params and "base.method.lam" not in params
+    # speedup: like for like, and the search reported apart
+    assert top.data.metrics["speedup/rounds"] == pytest.approx(
+        top.data.metrics["separate/rounds"] / top.data.metrics["warmup/rounds"])
+    assert top.data.metrics["search/rounds"] == sum(t.data.metrics["fpfc/total_rounds"] for t in warm_trials)
+    # trials.csv best first, the metric and the searched values first, rounded; the Parquet exact
+    for sweep in sweeps:
+        folder = mc.download_artifacts(sweep.info.run_id, "", str(tmp_path / sweep.info.run_id))
+        shown = pd.read_csv(f"{folder}/trials.csv")
+        exact = pd.read_parquet(f"{folder}/trials.parquet")
+        searched = [k[len("search."):] for k in sweep.data.params if k.startswith("search.")]
+        assert list(shown.columns[:2]) == ["trial", "val/acc_mean"] and searched
+        assert set(shown.columns[2:2 + len(searched)]) == set(searched)
+        assert list(shown["val/acc_mean"]) == sorted(shown["val/acc_mean"], reverse=True)
+        assert list(shown["trial"]) == list(exact["trial"])
+        assert all(len(f"{v:g}".lstrip("0.").replace(".", "")) <= 4 for v in shown["val/acc_mean"])
+        title = Image.open(f"{folder}/plots/trials_val_acc_mean.png").text["Title"]
+        assert title == f"{sweep.info.run_name}: val/acc_mean of every trial"
+    # strategies.md is Markdown: a heading, pipe tables (header, delimiter, one row per strategy)
+    folder = mc.download_artifacts(top.info.run_id, "", str(tmp_path / "top"))
+    md = open(f"{folder}/strategies.md").read().splitlines()
+    assert md[0].startswith("# ") and "## How each figure was counted" in md
+    head = md.index(next(ln for ln in md if ln.startswith("| strategy |")))
+    assert md[head - 1] == "" and re.fullmatch(r"(\|---)+\|", md[head + 1])
+    assert [ln.split(" | ")[0] for ln in md[head + 2:head + 4]] == ["| warmup", "| separate"]
+    assert all(ln.count("|") == md[head].count("|") for ln in md[head:head + 4])
+    # the λ selection plot and the best path's plot on the pipeline run
+    assert {"plots/lambda_selection.png", "plots/lambda_path.png"} <= \
+        {a.path for a in mc.list_artifacts(top.info.run_id, "plots")}
+    assert Image.open(f"{folder}/plots/lambda_selection.png").text["Title"].startswith("λ selection")

@@ -54,6 +54,15 @@ def test_yaml_syntax_error_names_file_and_line(tmp_path):
     assert f"{space}:" in str(err.value)
 
 
+def test_a_yaml_file_that_is_not_utf8_exits_2_naming_the_file(tmp_path):
+    bad = tmp_path / "latin1.yaml"
+    bad.write_bytes("data:\n  source: digits  # café\n".encode("latin-1"))
+    proc = _pfl("run", str(bad), "--print-config")
+    assert proc.returncode == 2, proc.stderr
+    assert str(bad) in proc.stderr and "UTF-8" in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
 def test_clients_per_round_above_the_population_is_announced():
     cfg = load(None, {"data.num_clients": 6, "federation.clients_per_round": 10})
     assert any("all 6 clients" in note for note in config_notes(cfg))

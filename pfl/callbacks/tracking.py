@@ -41,19 +41,22 @@ def write_client_table(rows: list[dict], path: Path) -> Path:
 def final_model_state(sim, max_bytes: int = 256 * 2**20) -> dict:
     """Global model and (when small enough) every client's personalized model."""
     glob = sim.method.global_params()
-    state: dict = {"global": glob, "clients": None}
     per_client: dict | None = {}
     size = 0
-    for cid, params in sim.personal_models().items():
-        if glob is not None and all(k in glob and torch.equal(params[k], glob[k]) for k in params):
-            continue
+
+    def keep(cid: int, params: dict) -> None:  # streamed: a large population never sits in memory
+        nonlocal per_client, size
+        if per_client is None or (glob is not None and all(k in glob and torch.equal(params[k], glob[k])
+                                                           for k in params)):
+            return
         size += sum(t.numel() * t.element_size() for t in params.values())
         if size > max_bytes:
             per_client = None
-            break
-        per_client[cid] = params
-    state["clients"] = per_client or None
-    return state
+        else:
+            per_client[cid] = params
+
+    sim.personal_models(receive=keep)
+    return {"global": glob, "clients": per_client or None}
 
 
 def write_run_artifacts(sim, outdir: Path) -> list[tuple[Path, str | None]]:

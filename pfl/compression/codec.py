@@ -1,31 +1,40 @@
 """Compression at the delivery boundary: what is encoded, relative to what, and with whose memory.
 
-**What is compressed.** Per tensor of a message: floating tensors of at least ``min_numel``
-entries (``compression.min_numel``, default 256) are encoded; smaller ones, integer tensors (IFCA's
-cluster index) and structured payloads (FedSLR's factor pairs) travel as they are. Each encoded
-tensor costs its :class:`~pfl.federation.messages.Encoded` payload's bits; the ledger counts those.
+The codec is a wire stage (:class:`pfl.federation.wire.Stage`, key ``compression``) that acts on
+training traffic only (an :class:`~pfl.federation.wire.Only` wrapper: evaluation and join messages
+are never compressed). What it does with an entry follows the *declared kind* of its part
+(:mod:`pfl.federation.messages`), never its name.
 
-**Uplink: the update.** An uplink tensor that has a *reference* — by default the tensor of the same
-name and shape in the downlink the client received this round (a method may say otherwise with
-:meth:`pfl.methods.base.Method.update_reference`; IFCA: the cluster model it chose) — is sent as
-the compressed update ``C(trained − received)`` and reconstructed by the server as ``received +
-decoded``. Without a reference (SCAFFOLD's Δy and Δc, which already are updates; PerFed-CKT's
-logits; PACFL's one-shot basis; a FedPD upload after a skipped round) the value itself is compressed.
-With ``compression.error_feedback`` the client keeps a memory e per tensor in its own state
-(``client.state["compression"]["ef"]``, checkpointed with it): it sends ``C(u + e)`` and keeps
-``e ← u + e − C(u + e)``.
+**What is compressed.** Per tensor: floating tensors of at least ``min_numel`` entries
+(``compression.min_numel``, default 256) in every part but ``Scalars``; smaller ones, integer
+tensors and structured payloads (FedSLR's factor pairs) travel as they are. Each encoded tensor
+costs its :class:`~pfl.federation.messages.Encoded` payload's bits; the ledger counts those.
 
-**Downlink: the change since the client's copy.** The client keeps a replica of every compressible
-downlink tensor (what it decoded last time, ``client.state["compression"]["replica"]``) and the
-server an identical mirror per client (server state, checkpointed); a tensor is sent as
-``C(value − replica)`` and both sides set ``replica ← replica + decoded``. The first time a name
-reaches a client (no replica yet, or another shape) it is sent dense. Because the next difference is
-taken to the *decoded* replica, the compression error of one round is sent again in the next: the
-downlink scheme is error feedback by construction and has no separate option. It costs N model
-copies on the server.
+**Downlink: the change to the client's copy.** For a part the receiver keeps (``Model``, ``State``)
+the client holds a replica h of every compressible tensor (``client.state["compression"]["replica"]``)
+and the server an identical mirror per client (its stage state, checkpointed). The server sends
+C(x − h) and both sides set h ← h + α·C(x − h), with α = 1 for a contractive compressor and
+α = 1/(1 + ω) for an unbiased one (ω of that tensor, :meth:`Compressor.omega`). That is the
+*contractive form* C' of the compressor (:func:`~pfl.compression.compressors.contractive`): E‖v −
+C'(v)‖² ≤ (1 − δ)‖v‖² with δ > 0, so the replica's error obeys e⁺ = (e + Δ) − C'(e + Δ) and stays
+within a bound set by how far x moves per round (docs/methods/compression.md §0b). With the
+unscaled unbiased C the same recursion multiplies the error by up to √ω per round and diverges. The
+first time a tensor reaches a client (no replica yet, or another shape) it is sent dense. Parts the
+receiver does not keep (``Update``, ``Logits``) are compressed as values, message by message.
+
+**Uplink.** A ``Model`` part names the downlink part of its trip it relates to, and each tensor is
+sent as C(y − r), r the client's decoded copy of that part (a method bug — neither named, or a part
+this trip did not carry — stops the run naming the part). ``base`` (trained from it): the server
+applies the change to what it *meant* to send, x + (y − r) — with a lossy downlink the replica's
+error stays with the client and never enters the server's model. ``ref`` (a model the client keeps
+on its own, only compared with the part): the server reconstructs the client's value, r + (y − r).
+Without downlink compression r = x and the two agree. Every other part is compressed as its values.
+With ``compression.error_feedback`` the client keeps a memory e per tensor in its state
+(``client.state["compression"]["ef"]``): it sends C(u + e) and keeps e ← u + e − C(u + e); the
+checks (:mod:`.checks`) allow it for contractive compressors only (and identity).
 
 **Randomness.** Every encoding draws from a generator seeded by (run seed, round, client,
-direction, tensor name), so runs are reproducible and a resumed run continues exactly.
+direction, part/tensor), so runs are reproducible and a resumed run continues exactly.
 
 Methods that compress inside their own protocol (DIANA's shifted differences, MARINA's coin,
 LAG's lazy uploads; ``Method.compresses_uplink``) build their payloads with the same compressor
@@ -38,9 +47,9 @@ from typing import TYPE_CHECKING, Callable, Mapping
 
 import torch
 
-from ..federation.messages import Encoded, Entry, Message, Payload
-from ..federation.wire import Phase, Stage
-from .compressors import Compressor, HalfPrecision, build
+from ..federation.messages import Encoded, Entry, Message, Model, Part, Payload
+from ..federation.wire import Only, Phase, Stage, register_stage
+from .compressors import Compressor, HalfPrecision, Identity, build, contractive
 
 if TYPE_CHECKING:
     from ..methods.base import ClientHandle, Method
@@ -61,24 +70,26 @@ def has_reference(t: torch.Tensor, ref: torch.Tensor | None) -> bool:
 
 def compress_tensor(comp: Compressor, t: torch.Tensor, gen: torch.Generator | None, where: str = "") -> Encoded:
     """``comp`` on one tensor (flattened, computed in float32); the payload's decoded tensor has
-    ``t``'s shape and dtype."""
+    ``t``'s shape and dtype (``identity`` books the dtype's bits, like a dense tensor)."""
     v = t.detach().reshape(-1).to(torch.float32)
     try:
         enc = comp.compress(v, gen)
     except ValueError as err:
         raise ValueError(f"{comp.name} on tensor {where!r}: {err}") from None
-    return Encoded(enc.decoded.view(t.shape).to(t.dtype), enc.bits, enc.values)
+    bits = t.numel() * t.element_size() * 8 if isinstance(comp, Identity) else enc.bits
+    return Encoded(enc.decoded.view(t.shape).to(t.dtype), bits, enc.values)
 
 
 def encode_update(comp: Compressor | None, tensors: Mapping[str, Entry], reference: Mapping[str, torch.Tensor] | None,
-                  generator: GeneratorFor, min_numel: int = 256,
-                  memory: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, Entry], Params]:
-    """Encode ``tensors`` as updates of ``reference`` (see the module docstring).
+                  generator: GeneratorFor, min_numel: int = 256, memory: dict[str, torch.Tensor] | None = None,
+                  flushed: list[int] | None = None) -> tuple[dict[str, Entry], Params]:
+    """Encode ``tensors``, each as the change to its ``reference`` tensor where it has one.
 
-    Returns the message entries (Encoded payloads whose ``decoded`` is the decoded *update*, or the
-    decoded value where there is no reference; other entries unchanged) and what the receiver will
-    reconstruct for every tensor entry. ``memory`` (error feedback) is updated in place.
-    ``comp=None`` sends everything as it is.
+    Returns the entries (Encoded payloads whose ``decoded`` is the decoded change, or the decoded
+    value where there is no reference; other entries unchanged) and what the receiver will
+    reconstruct for every entry. ``memory`` (error feedback) is updated in place; ``flushed``
+    accumulates [non-zeros sent as 0, non-zeros] of a half-precision encoding. ``comp=None`` sends
+    everything as it is.
     """
     reference = reference or {}
     entries: dict[str, Entry] = {}
@@ -86,10 +97,8 @@ def encode_update(comp: Compressor | None, tensors: Mapping[str, Entry], referen
     for name, t in tensors.items():
         if comp is None or not compressible(t, min_numel):
             entries[name] = t
-            if isinstance(t, torch.Tensor):
-                values[name] = t
-            elif isinstance(t, Payload):
-                values[name] = t.dense()
+            if isinstance(t, (torch.Tensor, Payload)):
+                values[name] = t if isinstance(t, torch.Tensor) else t.dense()
             continue
         ref = reference.get(name)
         delta = has_reference(t, ref)
@@ -101,6 +110,10 @@ def encode_update(comp: Compressor | None, tensors: Mapping[str, Entry], referen
         enc = compress_tensor(comp, target, generator(name), name)
         if memory is not None:
             memory[name] = target - enc.decoded
+        if flushed is not None and isinstance(comp, HalfPrecision):
+            nz = target != 0
+            flushed[0] += int((nz & (enc.decoded == 0)).sum())
+            flushed[1] += int(nz.sum())
         entries[name] = enc
         values[name] = ref + enc.decoded if delta else enc.decoded
     return entries, values
@@ -149,26 +162,35 @@ def _bits_of(comp: Compressor, d: int) -> int:
     return int(comp.compress(torch.zeros(d), torch.Generator().manual_seed(0)).bits)
 
 
+def _flat(part_name: str, entries: Mapping[str, Entry]) -> dict[str, Entry]:
+    """A part's entries under their wire keys ``part/entry`` (generators, replicas, memories)."""
+    return {f"{part_name}/{k}": e for k, e in entries.items()}
+
+
+def _unflat(part_name: str, flat: Mapping[str, Entry]) -> dict[str, Entry]:
+    n = len(part_name) + 1
+    return {k[n:]: e for k, e in flat.items()}
+
+
 class Codec(Stage):
-    """The simulator's compression of training messages (``compression`` config section): a wire
-    stage (:class:`pfl.federation.wire.Stage`) that acts on the ``train`` phase only, so evaluation
-    and join messages are never compressed.
+    """The simulator's compression of training messages (``compression`` config section; see the
+    module docstring). Server side: :meth:`send_down`, :meth:`sent`, :meth:`receive_up`; client side:
+    :meth:`receive_down`, :meth:`send_up`."""
 
-    Server side: :meth:`encode_down`, :meth:`server_view`, :meth:`decode_up`; client side:
-    :meth:`decode_down`, :meth:`encode_up`.
-    """
+    key = STATE_KEY
 
-    key = "codec"
-
-    def __init__(self, cfg, ctx, method: "Method", client_role: "Method | None" = None):
+    def __init__(self, cfg, ctx, own_uplink: bool = False):
         self.ctx = ctx
-        self.method = method
-        self.client_role = client_role if client_role is not None else method
         self.min_numel = int(cfg.min_numel)
         self.error_feedback = bool(cfg.error_feedback)
-        self.up = None if method.compresses_uplink else build(cfg.uplink)
-        self.down = build(cfg.downlink)
-        self.mirrors: dict[int, Params] = {}  # server: what each client decoded last (downlink)
+        up = None if own_uplink else build(cfg.uplink)
+        self.up = contractive(up) if up is not None and self.error_feedback else up
+        down = build(cfg.downlink)
+        self.down = None if down is None else contractive(down)
+        self.down_values = down               # parts the receiver does not keep: compressed as values
+        self.mirrors: dict[int, Params] = {}  # server: what each client's replicas hold (downlink)
+        # server: the values it meant to send, for the encoded tensors of a trip not yet completed
+        self.pending: dict[int, Params] = {}
         self._flushed = [0, 0]                # this round: non-zeros sent as 0 by fp16/bf16, non-zeros
 
     @property
@@ -178,137 +200,179 @@ class Codec(Stage):
     def _gen(self, rnd: int, cid: int, direction: str) -> GeneratorFor:
         return lambda name: self.ctx.generator(rnd, cid, "compress", direction, name)
 
-    def _count_flushed(self, comp: Compressor, sent: Mapping[str, Entry], targets: Mapping[str, torch.Tensor]) -> None:
-        if not isinstance(comp, HalfPrecision):
-            return
-        for name, e in sent.items():
-            if isinstance(e, Encoded) and name in targets:
-                nz = targets[name] != 0
-                self._flushed[0] += int((nz & (e.decoded == 0)).sum())
-                self._flushed[1] += int(nz.sum())
-
-    # ---- the stage's hooks ----------------------------------------------------------------------
-    def send_down(self, phase: Phase, cid: int, msg: Message) -> Message:
-        return self.encode_down(msg, phase.rnd, cid) if phase.kind == "train" else msg
-
-    def receive_down(self, phase: Phase, client: "ClientHandle", msg: Message, notes: dict) -> Message:
-        if phase.kind != "train":
-            return msg
-        msg = self.decode_down(msg, client)
-        if self.up is not None:  # the client's own record of what it received: the update's reference
-            notes["received"] = {k: v.detach().clone() for k, v in msg.tensors().items()}
-        return msg
-
-    def send_up(self, phase: Phase, client: "ClientHandle", msg: Message, notes: dict) -> Message:
-        if phase.kind != "train":
-            return msg
-        return self.encode_up(msg, phase.rnd, client, notes.get("received"), self.client_role)
-
-    def sent(self, phase: Phase, cid: int, msg: Message) -> Params | None:
-        # what the client decoded, as the server knows it: the reference of the uplink's updates
-        return self.server_view(msg, cid) if phase.kind == "train" and self.up is not None else None
-
-    def receive_up(self, phase: Phase, cid: int, msg: Message, sent: Params | None) -> Message:
-        if phase.kind != "train" or self.up is None:
-            return msg
-        return self.decode_up(msg, phase.rnd, sent, self.method)
-
     # ---- downlink ------------------------------------------------------------------------------
-    def encode_down(self, msg: Message, rnd: int, cid: int) -> Message:
-        """Server side: every compressible tensor as C(value − the client's replica)."""
+    def send_down(self, phase: Phase, cid: int, msg: Message) -> Message:
+        """Server side: every compressible tensor of a kept part as C'(value − the client's
+        replica); the mirror moves as the replica will."""
         if self.down is None:
             return msg
         mirror = self.mirrors.setdefault(cid, {})
-        gen = self._gen(rnd, cid, "down")
-        entries: dict[str, Entry] = {}
-        targets: Params = {}
-        for name, t in msg.entries.items():
-            if not compressible(t, self.min_numel):
-                entries[name] = t
+        meant = self.pending.setdefault(cid, {})
+        gen = self._gen(phase.rnd, cid, "down")
+        parts: dict[str, Part] = {}
+        for pname, part in msg.parts.items():
+            if part.control:
+                parts[pname] = part
                 continue
-            ref = mirror.get(name)
-            if not has_reference(t, ref):
-                entries[name] = t
-                mirror[name] = t.detach().clone()
+            if not part.held:
+                entries, _ = encode_update(self.down_values, _flat(pname, part.entries), None, gen, self.min_numel,
+                                           flushed=self._flushed)
+                parts[pname] = part.replace(_unflat(pname, entries))
                 continue
-            targets[name] = t - ref
-            enc = compress_tensor(self.down, targets[name], gen(name), name)
-            entries[name] = enc
-            mirror[name] = ref + enc.decoded
-        self._count_flushed(self.down, entries, targets)
-        return Message(entries, msg.info)
+            entries: dict[str, Entry] = {}
+            for name, t in part.entries.items():
+                key = f"{pname}/{name}"
+                ref = mirror.get(key)
+                if not compressible(t, self.min_numel):
+                    entries[name] = t
+                elif not has_reference(t, ref):
+                    entries[name] = t
+                    mirror[key] = t.detach().clone()
+                else:
+                    enc, _ = encode_update(self.down, {key: t}, {key: ref}, gen, self.min_numel, flushed=self._flushed)
+                    entries[name] = enc[key]
+                    mirror[key] = ref + enc[key].decoded
+                    meant[key] = t
+            parts[pname] = part.replace(entries)
+        return msg.replace(parts)
 
-    def decode_down(self, msg: Message | None, client: "ClientHandle") -> Message | None:
-        """Client side: the downlink as values (replica + decoded change); replicas updated."""
-        if self.down is None or msg is None:
-            return msg
-        replica = client.state.setdefault(STATE_KEY, {}).setdefault("replica", {})
-        entries: dict[str, Entry] = {}
-        for name, e in msg.entries.items():
-            if isinstance(e, Encoded):
-                value = replica[name] + e.decoded
-                replica[name] = value
-                entries[name] = value.clone()
-            else:
-                if compressible(e, self.min_numel):
-                    replica[name] = e.detach().clone()
-                entries[name] = e
-        return Message(entries, msg.info)
+    def receive_down(self, phase: Phase, client: "ClientHandle", msg: Message, notes: dict) -> Message:
+        """Client side: the downlink as values (replica + decoded change; replicas updated), and the
+        client's record of it, the reference of its uplink models."""
+        if self.down is not None:
+            replica = client.state.setdefault(STATE_KEY, {}).setdefault("replica", {})
+            parts: dict[str, Part] = {}
+            for pname, part in msg.parts.items():
+                entries: dict[str, Entry] = {}
+                for name, e in part.entries.items():
+                    key = f"{pname}/{name}"
+                    if part.held and isinstance(e, Encoded):
+                        replica[key] = replica[key] + e.decoded
+                        entries[name] = replica[key].clone()
+                    elif isinstance(e, Encoded):
+                        entries[name] = e.decoded
+                    else:
+                        if part.held and compressible(e, self.min_numel):
+                            replica[key] = e.detach().clone()
+                        entries[name] = e
+                parts[pname] = part.replace(entries)
+            msg = msg.replace(parts)
+        if self.up is not None:
+            notes["received"] = {p: {k: v.detach().clone() for k, v in part.tensors().items()}
+                                 for p, part in msg.parts.items()}
+        return msg
 
-    def server_view(self, msg: Message | None, cid: int) -> Params | None:
-        """What the server knows client ``cid`` decoded from ``msg`` (its own copy)."""
-        if msg is None:
-            return None
+    def sent(self, phase: Phase, cid: int, msg: Message) -> dict | None:
+        """The server's record of this trip: ``view``, what the client decoded from ``msg`` as the
+        server knows it (the reference of the uplink models), and ``meant``, the values it encoded
+        (the base a trained model's change is applied to)."""
+        meant = self.pending.pop(cid, {})
         mirror = self.mirrors.get(cid, {}) if self.down is not None else {}
-        out: Params = {}
-        for name, e in msg.entries.items():
-            if isinstance(e, Encoded) and name in mirror:
-                out[name] = mirror[name]
-            elif isinstance(e, torch.Tensor):
-                out[name] = e.detach().clone()
-            elif isinstance(e, Payload):
-                out[name] = e.dense().detach().clone()
-        return out
+        out: dict[str, Params] = {}
+        for pname, part in msg.parts.items():
+            view: Params = {}
+            for name, e in part.entries.items():
+                key = f"{pname}/{name}"
+                if part.held and isinstance(e, Encoded):
+                    view[name] = mirror[key]
+                elif self.up is None:  # nothing to decode: only the encoded tensors are rebased
+                    continue
+                elif isinstance(e, torch.Tensor):
+                    view[name] = e.detach().clone()
+                else:
+                    view[name] = e.dense().detach().clone()
+            out[pname] = view
+        return {"view": out, "meant": meant}
 
     # ---- uplink --------------------------------------------------------------------------------
-    def encode_up(self, reply: Message | None, rnd: int, client: "ClientHandle", received: Params | None,
-                  method: "Method") -> Message | None:
-        """Client side: the reply with its tensors encoded as updates of what the client received."""
-        if self.up is None or reply is None:
-            return reply
-        memory = (client.state.setdefault(STATE_KEY, {}).setdefault("ef", {}) if self.error_feedback else None)
-        reference = method.update_reference(rnd, received, reply)
-        entries, _ = encode_update(self.up, reply.entries, reference, self._gen(rnd, client.cid, "up"),
-                                   self.min_numel, memory)
-        if isinstance(self.up, HalfPrecision):
-            targets = {k: (reply.entries[k] - reference[k] if has_reference(reply.entries[k], reference.get(k))
-                           else reply.entries[k]) for k, e in entries.items() if isinstance(e, Encoded)}
-            self._count_flushed(self.up, entries, targets)
-        return Message(entries, reply.info)
-
-    def decode_up(self, msg: Message | None, rnd: int, sent: Params | None, method: "Method") -> Message | None:
-        """Server side: the delivered reply with every encoded tensor reconstructed."""
-        if self.up is None or msg is None:
+    def send_up(self, phase: Phase, client: "ClientHandle", msg: Message, notes: dict) -> Message:
+        """Client side: every part encoded — a model as the change to its base, the rest as values."""
+        if self.up is None:
             return msg
-        reference = method.update_reference(rnd, sent, msg)
-        return Message(dict(decode_update(msg.entries, reference)), msg.info)
+        memory = client.state.setdefault(STATE_KEY, {}).setdefault("ef", {}) if self.error_feedback else None
+        received = notes.get("received") or {}
+        gen = self._gen(phase.rnd, client.cid, "up")
+        parts: dict[str, Part] = {}
+        for pname, part in msg.parts.items():
+            if part.control:
+                parts[pname] = part
+                continue
+            reference = _flat(pname, self.base(pname, part, received)) if isinstance(part, Model) else None
+            entries, _ = encode_update(self.up, _flat(pname, part.entries), reference, gen, self.min_numel, memory,
+                                       self._flushed)
+            parts[pname] = part.replace(_unflat(pname, entries))
+        return msg.replace(parts)
+
+    def base(self, pname: str, part: Model, received: Mapping[str, Params]) -> Params:
+        """The tensors an uplink model part is sent as a change of: the downlink part it declares
+        (``base`` or ``ref``), as the client decoded it."""
+        name = part.base or part.ref
+        ref = received.get(name) if name is not None else None
+        if ref is None:
+            raise RuntimeError(f"uplink part {pname!r} is a Model whose base {name!r} is not a part of this "
+                               f"trip's downlink ({sorted(received)}); a model must name the downlink part it "
+                               "started from or is close to (or be sent as an Update)")
+        missing = [k for k, t in part.entries.items()
+                   if compressible(t, self.min_numel) and not has_reference(t, ref.get(k))]
+        if missing:
+            raise RuntimeError(f"uplink part {pname!r}: entries {missing} have no tensor of the same shape in its "
+                               f"base part {name!r}")
+        return ref
+
+    def receive_up(self, phase: Phase, cid: int, msg: Message, sent: dict | None) -> Message:
+        """Server side: every encoded tensor reconstructed; a model trained from a part this trip
+        carried compressed (its ``base``) is the client's change applied to what the server meant to
+        send (the replica's error stays with the client: the server's model is never its copy)."""
+        sent = sent or {"view": {}, "meant": {}}
+        parts: dict[str, Part] = {}
+        for pname, part in msg.parts.items():
+            rebase = isinstance(part, Model) and part.base is not None
+            if self.up is None and not rebase:
+                parts[pname] = part
+                continue
+            ref_name = (part.base or part.ref) if isinstance(part, Model) else None
+            view = sent["view"].get(ref_name, {}) if ref_name is not None else {}
+            values = decode_update(part.entries, view) if self.up is not None else part.tensors()
+            if rebase:
+                for name in values:
+                    meant = sent["meant"].get(f"{part.base}/{name}")
+                    if meant is not None and name in view:
+                        values[name] = meant + (values[name] - view[name])
+            parts[pname] = part.replace(values)
+        return msg.replace(parts)
 
     # ---- state and metrics ---------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
-        """``comm/fp16_flushed``: fraction of the non-zeros a half-precision encoding sent as 0 this round."""
+        """``comm/fp16_flushed``: fraction of the non-zeros a half-precision encoding sent as 0 this
+        round (of what it was given to encode: with error feedback, the update plus the memory)."""
         out = {}
-        comp = self.up if isinstance(self.up, HalfPrecision) else self.down
-        if isinstance(comp, HalfPrecision):
+        if any(isinstance(c, HalfPrecision) for c in (self.up, self.down)):
             out["comm/fp16_flushed"] = self._flushed[0] / self._flushed[1] if self._flushed[1] else 0.0
         self._flushed = [0, 0]
         return out
 
     def state_dict(self) -> dict:
-        return {"mirrors": {int(c): dict(m) for c, m in self.mirrors.items()}} if self.down is not None else {}
+        if self.down is None:
+            return {}
+        out: dict = {"mirrors": {int(c): dict(m) for c, m in self.mirrors.items()}}
+        pending = {int(c): dict(m) for c, m in self.pending.items() if m}
+        if pending:  # trips in flight (the asynchronous driver): the values they were meant to carry
+            out["pending"] = pending
+        return out
 
     def load_state_dict(self, state: dict) -> None:
-        self.mirrors = {int(c): dict(m) for c, m in (state or {}).get("mirrors", {}).items()}
+        state = state or {}
+        self.mirrors = {int(c): dict(m) for c, m in state.get("mirrors", {}).items()}
+        self.pending = {int(c): dict(m) for c, m in state.get("pending", {}).items()}
 
 
-__all__ = ["Codec", "STATE_KEY", "compress_tensor", "compressible", "decode_update", "encode_update",
+def codec_stage(cfg, ctx, method: "Method") -> Stage | None:
+    """The run's compression stage on training traffic (None without compression)."""
+    codec = Codec(cfg.compression, ctx, own_uplink=bool(method.compresses_uplink))
+    return Only(codec, phases=("train",)) if codec.active else None
+
+
+register_stage("compression", codec_stage)
+
+__all__ = ["Codec", "STATE_KEY", "codec_stage", "compress_tensor", "compressible", "decode_update", "encode_update",
            "message_bits", "spec_omega"]

@@ -65,7 +65,11 @@ class Compressor:
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
     Params: ClassVar[type] = object
+    #: E C(v) = v and E‖C(v) − v‖² ≤ ω‖v‖² (:meth:`omega`)
     unbiased: ClassVar[bool] = False
+    #: biased but contractive: E‖C(v) − v‖² ≤ (1 − δ)‖v‖² for some δ > 0 (top-k, unscaled rand-k,
+    #: scaled sign, half precision), so error feedback and downlink replicas may use it as it is
+    contractive: ClassVar[bool] = False
 
     def __init__(self, params: Any):
         self.p = params
@@ -91,7 +95,7 @@ class NoParams:
 
 class Identity(Compressor):
     name = "identity"
-    description = "no compression, sent as an encoded payload of f·d bits (tests, DIANA with C = I)"
+    description = "no compression, sent as an encoded payload of the dtype's bits per entry (tests, DIANA with C = I)"
     Params = NoParams
     unbiased = True
 
@@ -110,6 +114,7 @@ class HalfPrecision(Compressor):
     name = "fp16"
     description = "IEEE half precision, round to nearest even (16 bits/entry; biased, relative error ≤ 2⁻¹¹)"
     Params = HalfParams
+    contractive = True  # |round(v) − v| < |v| entrywise, flushes and saturation included
     dtype: ClassVar[torch.dtype] = torch.float16
 
     def compress(self, v: torch.Tensor, gen: torch.Generator | None = None) -> Encoded:
@@ -237,6 +242,13 @@ class TernGrad(PQuant):
         self.preset = params
 
 
+def power_of_two_below(a: torch.Tensor) -> torch.Tensor:
+    """The largest power of two ≤ a (0 where a = 0), exactly: frexp gives a = m·2^e with m ∈ [0.5, 1)
+    (a float32 log2 rounds the values just below a power up to it)."""
+    _, exponent = torch.frexp(a)
+    return torch.where(a > 0, torch.ldexp(torch.ones_like(a), exponent - 1), torch.zeros_like(a))
+
+
 class Natural(Compressor):
     name = "natural"
     description = "natural compression: unbiased random rounding to a power of two (9 bits/entry, ω = 1/8)"
@@ -247,8 +259,7 @@ class Natural(Compressor):
         u = _uniform(v.numel(), gen, v)
         a = v.abs()
         nz = a > 0
-        low = torch.where(nz, torch.exp2(torch.floor(torch.log2(torch.where(nz, a, torch.ones_like(a))))),
-                          torch.zeros_like(a))
+        low = power_of_two_below(a)
         prob = torch.where(nz, (a - low) / torch.where(nz, low, torch.ones_like(low)), torch.zeros_like(a))
         mag = torch.where(u < prob, 2 * low, low)
         return Encoded(torch.sign(v) * mag, 9 * v.numel(), v.numel())
@@ -281,6 +292,10 @@ class RandK(Compressor):
     def unbiased(self) -> bool:  # type: ignore[override]
         return bool(self.p.scale)
 
+    @property
+    def contractive(self) -> bool:  # type: ignore[override]
+        return not self.p.scale  # E‖C(v) − v‖² = (1 − k/d)‖v‖²
+
     def bits(self, d: int) -> int:
         k = _k(self.p.ratio, d)
         index = FLOAT_BITS if self.p.indices == "seed" else min(k * index_bits(d), d)
@@ -308,6 +323,7 @@ class TopK(Compressor):
     name = "topk"
     description = "top-k sparsification: the k largest |v_i| (ties: lower index); biased, use error feedback"
     Params = TopKParams
+    contractive = True  # ‖C(v) − v‖² ≤ (1 − k/d)‖v‖²
 
     def bits(self, d: int) -> int:
         k = _k(self.p.ratio, d)
@@ -333,12 +349,56 @@ class Sign(Compressor):
     description = "sign compression, 1 bit/entry (sign(0) = +1); scaled by ‖v‖₁/d by default; biased, use EF"
     Params = SignParams
 
+    @property
+    def contractive(self) -> bool:  # type: ignore[override]
+        # scaled: ‖C(v) − v‖² = ‖v‖² − ‖v‖₁²/d, δ = ‖v‖₁²/(d‖v‖²) ≥ 1/d; plain sign(v) has norm √d
+        # whatever ‖v‖ is, so no δ > 0 bounds its error
+        return bool(self.p.scaled)
+
     def compress(self, v: torch.Tensor, gen: torch.Generator | None = None) -> Encoded:
         d = v.numel()
         signs = torch.where(v >= 0, torch.ones_like(v), -torch.ones_like(v))
         if self.p.scaled:
             return Encoded(signs * (v.abs().sum() / max(d, 1)), d + FLOAT_BITS, 1)
         return Encoded(signs, d, 0)
+
+
+# ---- the contractive form ----------------------------------------------------------------------
+
+class Scaled(Compressor):
+    """C/(1 + ω) of an unbiased C: E‖v − C(v)/(1+ω)‖² = ‖v‖² − 2‖v‖²/(1+ω) + E‖C(v)‖²/(1+ω)²
+    ≤ (1 − 1/(1+ω))‖v‖², since E‖C(v)‖² ≤ (1 + ω)‖v‖² — contractive with δ = 1/(1 + ω), the best
+    δ of any multiple αC (docs/methods/compression.md §"Downlink"). Same bits as C."""
+
+    def __init__(self, inner: Compressor):
+        super().__init__(inner.p)
+        self.inner = inner
+        self.name = inner.name  # type: ignore[misc]
+
+    def compress(self, v: torch.Tensor, gen: torch.Generator | None = None) -> Encoded:
+        enc = self.inner.compress(v, gen)
+        return Encoded(enc.decoded / (1.0 + self.inner.omega(v.numel())), enc.bits, enc.values)
+
+    def bits(self, d: int) -> int:
+        return self.inner.bits(d)  # type: ignore[attr-defined]
+
+    @property
+    def contractive(self) -> bool:  # type: ignore[override]
+        return True
+
+    def __repr__(self) -> str:
+        return f"Scaled({self.inner!r})"
+
+
+def contractive(comp: Compressor) -> Compressor:
+    """The form of ``comp`` that error feedback and downlink replicas use: ``comp`` itself when it is
+    contractive (or exact), C/(1 + ω) when it is unbiased (:class:`Scaled`). A compressor that is
+    neither (plain sign) has none: ValueError (the config checks refuse it before training)."""
+    if comp.unbiased:
+        return comp if isinstance(comp, Identity) else Scaled(comp)
+    if comp.contractive:
+        return comp
+    raise ValueError(f"{comp.name} with these parameters is neither unbiased nor contractive")
 
 
 # ---- registry and config ---------------------------------------------------------------------
@@ -350,11 +410,33 @@ for _cls in (Identity, HalfPrecision, BFloat16, PQuant, QSGD, TernGrad, Natural,
 NAMES = ("none", *COMPRESSORS.names())
 
 
-def resolve_spec(raw: Any, path: str) -> dict:
-    """Validate ``{name, ...params}`` into the normalised dict (every parameter, defaults filled in).
+@dataclass(frozen=True)
+class CompressorSpec:
+    """A validated ``compression.uplink`` / ``.downlink`` value: the compressor's name and its
+    parameters as that compressor's ``Params`` dataclass (documented, range-checked fields, like a
+    method's Hparams). Written back to YAML as ``{name, ...params}``."""
+    name: str = "none"
+    params: Any = None
+
+    def build(self) -> Compressor | None:
+        """The compressor (None for ``none``)."""
+        return None if self.name == "none" else COMPRESSORS[self.name](self.params)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, **(to_dict(self.params) if self.params is not None else {})}
+
+    def __getitem__(self, key: str) -> Any:
+        return self.to_dict()[key]
+
+
+def resolve_spec(raw: Any, path: str) -> CompressorSpec:
+    """Validate ``{name, ...params}`` (or an already resolved spec) into a :class:`CompressorSpec`
+    with every parameter.
 
     Raises :class:`~pfl.schema.ConfigError` naming e.g. ``compression.uplink.s`` and the allowed
     values."""
+    if isinstance(raw, CompressorSpec):
+        raw = raw.to_dict()
     if raw is None:
         raw = {"name": "none"}
     if isinstance(raw, str):
@@ -370,19 +452,17 @@ def resolve_spec(raw: Any, path: str) -> dict:
     if name == "none":
         if raw:
             raise ConfigError(f"{path}.{next(iter(raw))}", "name=none takes no parameters; allowed: name")
-        return {"name": "none"}
-    cls = COMPRESSORS[name]
-    params = from_dict(cls.Params, raw, path)
-    return {"name": name, **to_dict(params)}
+        return CompressorSpec()
+    return CompressorSpec(name, from_dict(COMPRESSORS[name].Params, raw, path))
 
 
-def build(spec: dict | None) -> Compressor | None:
-    """The compressor a normalised spec names (None for ``none``)."""
-    if not spec or spec.get("name", "none") == "none":
+def build(spec: CompressorSpec | dict | None) -> Compressor | None:
+    """The compressor a spec names (None for ``none``); a dict is validated first."""
+    if spec is None:
         return None
-    params = dict(spec)
-    cls = COMPRESSORS[params.pop("name")]
-    return cls(from_dict(cls.Params, params))
+    if not isinstance(spec, CompressorSpec):
+        spec = resolve_spec(spec, "compression")
+    return spec.build()
 
 
 def describe_compressors() -> list[tuple[str, str, type]]:
@@ -390,5 +470,6 @@ def describe_compressors() -> list[tuple[str, str, type]]:
 
 
 __all__ = ["COMPRESSORS", "FLOAT_BITS", "NAMES", "BFloat16", "Compressor", "HalfPrecision", "Identity",
-           "Natural", "PQuant", "QSGD", "RandK", "Sign", "TernGrad", "TopK", "build", "describe_compressors",
-           "index_bits", "resolve_spec"]
+           "CompressorSpec", "Natural", "PQuant", "QSGD", "RandK", "Scaled", "Sign", "TernGrad", "TopK", "build",
+           "contractive",
+           "describe_compressors", "index_bits", "resolve_spec"]

@@ -7,7 +7,7 @@ Entry points::
     list_sources(), source_spec(name)               # the registry behind `pfl datasets`
 
 Modules: :mod:`.sources` (registry and params), :mod:`.images` and :mod:`.idx` (file formats),
-:mod:`.synthetic` (FPFC generators), :mod:`.files` with :mod:`.readers` and :mod:`.tables`
+:mod:`.synthetic` (FPFC generators), :mod:`.crowd` (a large population generated on demand), :mod:`.files` with :mod:`.readers` and :mod:`.tables`
 (a user's own files), :mod:`.hf` (Hugging Face data sets), :mod:`.partition` (partitioners, stratified splits),
 :mod:`.transforms` (label swap, rotation), :mod:`.cache` (Parquet cache), :mod:`.federated`
 (the containers and entry points).
@@ -15,7 +15,7 @@ Modules: :mod:`.sources` (registry and params), :mod:`.images` and :mod:`.idx` (
 
 from .federated import ClientData, FederatedData, load_federated, resolve_data_config
 from .sources import SourceData, SourceSpec, list_sources, register_source, source_spec
-from . import files, hf  # noqa: E402,F401  (register data.source: files and hf)
+from . import crowd, files, hf  # noqa: E402,F401  (register data.source: crowd, files and hf)
 
 __all__ = [
     "ClientData", "FederatedData", "SourceData", "SourceSpec", "list_sources", "load_federated",

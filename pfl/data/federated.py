@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import operator
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -55,10 +59,14 @@ class ClientData:
                  if isinstance(getattr(self, f.name), torch.Tensor)}
         return dataclasses.replace(self, **moved)
 
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in vars(self).values() if isinstance(t, torch.Tensor))
+
 
 @dataclass
 class FederatedData:
-    clients: list[ClientData]
+    clients: "list[ClientData] | OnDemandClients"
     num_classes: int                  # 0 for regression
     input_shape: tuple[int, ...]      # per-sample shape, e.g. (64,), (1, 28, 28), (3, 32, 32), (60,)
     task: str                         # "classification" or "regression"
@@ -73,7 +81,37 @@ class FederatedData:
         return len(self.clients)
 
     def to(self, device: str | torch.device) -> "FederatedData":
+        if isinstance(self.clients, OnDemandClients):
+            return dataclasses.replace(self, clients=self.clients.on(device))
         return dataclasses.replace(self, clients=[c.to(device) for c in self.clients])
+
+    def materialized(self) -> "FederatedData":
+        """Every client's data built now (the same tensors as built on demand)."""
+        if isinstance(self.clients, OnDemandClients):
+            return dataclasses.replace(self, clients=self.clients.build_all())
+        return self
+
+    def keep_at_most(self, nbytes: float) -> None:
+        """Built on demand: keep at most ``nbytes`` of recently used clients' data."""
+        if isinstance(self.clients, OnDemandClients):
+            self.clients.capacity = nbytes
+
+    def prefetch(self, cids: Sequence[int]) -> None:
+        """Built on demand: build these clients' data now, together (see :meth:`OnDemandClients.prefetch`)."""
+        if isinstance(self.clients, OnDemandClients):
+            self.clients.prefetch(cids)
+
+    def client_sizes(self) -> list[int]:
+        """Training samples per client (without building any client's data)."""
+        if isinstance(self.clients, OnDemandClients):
+            return self.clients.sizes("train").tolist()
+        return [c.n_train for c in self.clients]
+
+    def client_nbytes(self) -> np.ndarray:
+        """Bytes of each client's tensors (built or not)."""
+        if isinstance(self.clients, OnDemandClients):
+            return self.clients.nbytes()
+        return np.array([c.nbytes for c in self.clients], dtype=np.int64)
 
     def summary(self) -> dict:
         """Sizes and label statistics, plain Python values (for logs, MLflow params, ``pfl datasets``)."""
@@ -222,8 +260,92 @@ def _client_features(src: SourceData, part: Partition):
         yield {s: every[ends[3 * i + j] - len(pieces[3 * i + j]):ends[3 * i + j]] for j, s in enumerate(SPLITS)}
 
 
-def load_federated(cfg: DataConfig, seed: int, device: str | torch.device = "cpu") -> FederatedData:
-    """The federation described by ``cfg`` under experiment ``seed``, with tensors on ``device``."""
+class OnDemandClients(Sequence[ClientData]):
+    """Every client's :class:`ClientData`, built when it is first asked for and kept while the
+    most recently used clients fit in ``capacity`` bytes (an LRU; the client just built always
+    stays). Indexing gives the same tensors as building every client at once."""
+
+    def __init__(self, src: SourceData, part: Partition, kind: str, num_clusters: int,
+                 device: str | torch.device = "cpu", capacity: float = math.inf):
+        self.src, self.part, self.kind, self.num_clusters = src, part, kind, num_clusters
+        self.device = torch.device(device)
+        self.capacity = capacity
+        self._kept: OrderedDict[int, ClientData] = OrderedDict()
+        self._bytes = 0
+        self.built = 0   # clients built so far (the benchmark reports it)
+
+    def __len__(self) -> int:
+        return self.part.num_clients
+
+    def __iter__(self) -> Iterator[ClientData]:
+        return (self[i] for i in range(len(self)))
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = operator.index(i)
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(f"client {i} of {len(self)}")
+        client = self._kept.get(i)
+        if client is not None:
+            self._kept.move_to_end(i)
+            return client
+        return self._keep(i, self.build([i])[0])
+
+    def _keep(self, i: int, client: ClientData) -> ClientData:
+        self._kept[i] = client
+        self._bytes += client.nbytes
+        while self._bytes > self.capacity and len(self._kept) > 1:
+            _, old = self._kept.popitem(last=False)
+            self._bytes -= old.nbytes
+        return client
+
+    def prefetch(self, cids: Sequence[int]) -> None:
+        """Build the clients of ``cids`` not kept yet together: one read of a file source for all
+        of them (the exchange does this for each round's clients)."""
+        todo = [int(i) for i in dict.fromkeys(cids) if int(i) not in self._kept]
+        if len(todo) > 1 and self.src.read_rows is not None:
+            for i, client in zip(todo, self.build(todo)):
+                self._keep(i, client)
+
+    def build(self, cids: list[int]) -> list[ClientData]:
+        self.built += len(cids)
+        src, part = self.src, self.part
+        if src.read_rows is None:
+            feats = [{s: torch.from_numpy(src.featurize(src.x[getattr(part, s)[i]])) for s in SPLITS} for i in cids]
+        else:  # one read of the clients' rows, split as the bulk read splits them
+            pieces = [getattr(part, s)[i] for i in cids for s in SPLITS]
+            rows = torch.from_numpy(src.read_rows(np.concatenate(pieces)))
+            ends = np.cumsum([len(p) for p in pieces])
+            feats = [{s: rows[ends[3 * k + j] - len(pieces[3 * k + j]):ends[3 * k + j]] for j, s in enumerate(SPLITS)}
+                     for k in range(len(cids))]
+        return [_client(src, part, i, self.kind, self.num_clusters, f).to(self.device) for i, f in zip(cids, feats)]
+
+    def build_all(self) -> list[ClientData]:
+        return [_client(self.src, self.part, i, self.kind, self.num_clusters, features).to(self.device)
+                for i, features in enumerate(_client_features(self.src, self.part))]
+
+    def on(self, device: str | torch.device) -> "OnDemandClients":
+        if torch.device(device) == self.device:
+            return self
+        return OnDemandClients(self.src, self.part, self.kind, self.num_clusters, device, self.capacity)
+
+    def sizes(self, split: str) -> np.ndarray:
+        return np.array([len(a) for a in getattr(self.part, split)], dtype=np.int64)
+
+    def nbytes(self) -> np.ndarray:
+        """Bytes each client's tensors take once built: float32 features, int64 or float32 labels."""
+        n = sum(self.sizes(s) for s in SPLITS)
+        label = 4 if self.src.task == REGRESSION else 8
+        return n * (4 * int(np.prod(self.src.input_shape)) + label)
+
+
+def load_federated(cfg: DataConfig, seed: int, device: str | torch.device = "cpu",
+                   on_demand: bool = False) -> FederatedData:
+    """The federation described by ``cfg`` under experiment ``seed``, with tensors on ``device``
+    (built when first asked for with ``on_demand``, see :class:`OnDemandClients`)."""
     resolve_data_config(cfg)
     spec = source_spec(cfg.source)
     start = time.perf_counter()
@@ -238,9 +360,9 @@ def load_federated(cfg: DataConfig, seed: int, device: str | torch.device = "cpu
     fresh = part is None
     if fresh:
         part = make_partition(cfg, src, seed)
-    clients = [_client(src, part, i, cfg.partition.kind, cfg.partition.num_clusters, features).to(device)
-               for i, features in enumerate(_client_features(src, part))]
-    if fresh and cfg.cache:  # only a federation that could be built is cached
+    lazy = OnDemandClients(src, part, cfg.partition.kind, cfg.partition.num_clusters, device)
+    clients = lazy if on_demand else lazy.build_all()
+    if fresh and cfg.cache:  # only a federation that could be built (or, on demand, indexed) is cached
         try:
             save_partition(path, part, len(src.y), cfg, seed)
         except OSError as err:  # a read-only cache directory must not stop the run
@@ -250,5 +372,5 @@ def load_federated(cfg: DataConfig, seed: int, device: str | torch.device = "cpu
                          task=src.task, source=cfg.source, true_clusters=part.clusters, partition_hash=key,
                          partition_kind=cfg.partition.kind, client_ids=src.client_ids if natural else None)
     log.info("data %s/%s: %d clients, %d training samples (%.2fs)", cfg.source, cfg.partition.kind,
-             len(clients), sum(c.n_train for c in clients), time.perf_counter() - start)
+             len(clients), sum(data.client_sizes()), time.perf_counter() - start)
     return data

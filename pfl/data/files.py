@@ -151,8 +151,8 @@ def inspect(p: FilesParams) -> Inspected:
     return result
 
 
-def _npz_chunks(path: Path, p: FilesParams):
-    yield from read_npz(path, p).iter_features()
+def _npz_chunks(path: Path, p: FilesParams, need=None):
+    yield from read_npz(path, p).iter_features(need)
 
 
 def inspect_table(table: Table, p) -> Inspected:

@@ -347,6 +347,9 @@ def make_partition(cfg: DataConfig, src: SourceData, seed: int) -> Partition:
             clusters = contiguous_clusters(cfg.num_clients, cfg.partition.num_clusters)
             transforms = clusters.copy()
     split_rng = rng_for(seed, "pfl.data.split")
+    if src.split is not None and fixed_test is None and cfg.partition.kind == "natural":
+        train, val, test = src.split(groups, cfg.test_fraction, cfg.val_fraction, split_rng)
+        return Partition(train, val, test, clusters, transforms)
     train, val, test = [], [], []
     for idx in groups:
         idx = np.asarray(idx, dtype=np.int64)

@@ -40,31 +40,41 @@ class Table:
     plan: FeaturePlan
     sample_shape: tuple[int, ...]      # one sample's stored shape
     x: np.ndarray | None = None        # (N, *sample_shape) when the features are in memory
-    chunks: Callable[[], Iterator[tuple[int, np.ndarray]]] | None = None  # else: (first row, features)
+    # else: (first row, features) of each chunk; ``need(start, rows)`` False: the chunk may be skipped
+    chunks: Callable[..., Iterator[tuple[int, np.ndarray]]] | None = None
     test: np.ndarray | None = None     # (N,) bool: rows in the data's own test split (LEAF)
     cluster_per_client: bool = False   # clusters holds one id per client id (sorted), not per row
     client_names: list[str] | None = None  # folders, LEAF: the id of client i (clients holds 0..K-1)
     dtype: np.dtype = np.dtype(np.float32)  # the stored features' type (uint8 for images)
 
-    def iter_features(self) -> Iterator[tuple[int, np.ndarray]]:
+    def iter_features(self, need: Callable[[int, int], bool] | None = None) -> Iterator[tuple[int, np.ndarray]]:
+        """(first row, features) chunk by chunk; with ``need``, chunks it declines may be skipped."""
         if self.x is not None:
             for start in range(0, self.num_rows, CHUNK_ROWS):
-                yield start, self.x[start:start + CHUNK_ROWS]
+                if need is None or need(start, min(CHUNK_ROWS, self.num_rows - start)):
+                    yield start, self.x[start:start + CHUNK_ROWS]
         else:
-            yield from self.chunks()
+            yield from self.chunks(need)
 
     def read_rows(self, order: np.ndarray, featurize: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
         """Featurized rows ``order`` (distinct row numbers), in that order, as one float32 array.
 
         The file is read chunk by chunk and each chunk's rows are written straight to their place,
-        so memory holds the result plus one chunk, never the whole table and a copy of it. Every
-        chunk is checked for non-finite values, used rows or not."""
+        so memory holds the result plus one chunk, never the whole table and a copy of it. Chunks
+        without a row of ``order`` are skipped where the format allows (Parquet row groups, tables
+        in memory), so reading one client's rows reads its row groups; every chunk read is checked
+        for non-finite values, used rows or not."""
         dest = np.full(self.num_rows, -1, dtype=np.int64)
         dest[order] = np.arange(len(order))
         if len(order) and not np.array_equal(dest[order], np.arange(len(order))):
             raise ValueError("read_rows needs distinct rows")
+        used = np.concatenate([[0], np.cumsum(dest >= 0)])  # rows of ``order`` before each row
+
+        def need(start: int, rows: int) -> bool:
+            return bool(used[min(start + rows, self.num_rows)] > used[start])
+
         out: np.ndarray | None = None
-        for start, chunk in self.iter_features():
+        for start, chunk in self.iter_features(need):
             check_finite(chunk, start, self.plan, self.where)
             where_to = dest[start:start + len(chunk)]
             keep = where_to >= 0
@@ -158,9 +168,10 @@ def table_from_arrow(table: pa.Table, params, where: str, with_x: bool = True) -
     shape = _first_shape(first)
     col = lambda name: table.column(name).combine_chunks() if name in table.column_names else None  # noqa: E731
 
-    def chunks() -> Iterator[tuple[int, np.ndarray]]:
+    def chunks(need=None) -> Iterator[tuple[int, np.ndarray]]:
         for start in range(0, n, CHUNK_ROWS):
-            yield start, features_of(table.slice(start, CHUNK_ROWS), plan, start, where, shape)
+            if need is None or need(start, min(CHUNK_ROWS, n - start)):
+                yield start, features_of(table.slice(start, CHUNK_ROWS), plan, start, where, shape)
 
     return Table(where, n, col(params.label_column), col(params.client_column), col(params.cluster_column),
                  FeaturePlan(plan.kind, plan.columns, shape), shape, chunks=chunks, dtype=first.dtype)
@@ -181,19 +192,25 @@ def read_parquet(path: Path, params) -> Table:
     shape = _first_shape(first)
     groups = [pf.metadata.row_group(i).num_rows for i in range(pf.num_row_groups)]
 
-    def chunks() -> Iterator[tuple[int, np.ndarray]]:
-        # whole row groups, several at a time (Arrow decodes them in parallel), about CHUNK_ROWS rows
+    def chunks(need=None) -> Iterator[tuple[int, np.ndarray]]:
+        # whole row groups, several at a time (Arrow decodes them in parallel), about CHUNK_ROWS
+        # rows; with ``need``, only the groups holding a wanted row
+        firsts = np.concatenate([[0], np.cumsum(groups)]).astype(np.int64)
+        wanted = [need is None or need(int(firsts[g]), groups[g]) for g in range(len(groups))]
         with pq.ParquetFile(path) as reader:
-            start, i = 0, 0
+            i = 0
             while i < len(groups):
+                if not wanted[i]:
+                    i += 1
+                    continue
                 take = [i]
                 rows = groups[i]
-                while i + len(take) < len(groups) and rows + groups[i + len(take)] <= CHUNK_ROWS:
+                while (i + len(take) < len(groups) and wanted[i + len(take)]
+                       and rows + groups[i + len(take)] <= CHUNK_ROWS):
                     rows += groups[i + len(take)]
                     take.append(i + len(take))
                 part = reader.read_row_groups(take, columns=list(plan.columns), use_threads=True)
-                yield start, features_of(part, plan, start, where, shape)
-                start += rows
+                yield int(firsts[i]), features_of(part, plan, int(firsts[i]), where, shape)
                 i += len(take)
 
     col = lambda name: small.column(name).combine_chunks() if name in small.column_names else None  # noqa: E731

@@ -43,6 +43,9 @@ class SourceData:
     client_ids: list[str] | None = None            # the data's own id of each device
     test_rows: np.ndarray | None = None            # (N,) bool: the data's own test split (LEAF)
     fingerprint: str | None = None                 # hash of what a partition is made from (cache key)
+    # per-client sources: the source's own split of its devices (devices, test_fraction, val_fraction,
+    # rng) -> (train, val, test) lists, instead of a stratified split per device (pfl.data.crowd)
+    split: Callable[..., tuple[list, list, list]] | None = None
 
     def rows(self, idx: np.ndarray) -> np.ndarray:
         """Featurized samples ``idx`` (distinct), float32 of ``input_shape``."""

@@ -35,8 +35,8 @@ class AsyncSimulator(Simulator):
     ``external_clock`` is set to True so it does not also advance a synchronous clock.
     """
 
-    def __init__(self, cfg, data=None, transforms=None, delay: DelayConfig | None = None):
-        super().__init__(cfg, data=data, transforms=transforms)
+    def __init__(self, cfg, data=None, stages=None, delay: DelayConfig | None = None):
+        super().__init__(cfg, data=data, stages=stages)
         self.delays = DelayModel(self.ctx, delay or DelayConfig.from_hparams(self.method.hp))
         self.method.external_clock = True
         self.clock = 0.0
@@ -80,15 +80,15 @@ class AsyncSimulator(Simulator):
                                 {"time/sim_clock": self.clock, "async/arrivals": float(self.arrivals)},
                                 evaluate=evaluate)
 
-    def model_state(self) -> dict:
+    def lineage_state(self) -> dict:
         # the messages in flight and the clock belong to the lineage: a restored state resumes them
-        state = super().model_state()
+        state = super().lineage_state()
         state["async"] = {"clock": self.clock, "tick": self.tick, "arrivals": self.arrivals,
                           "queue": list(self.queue), "started": self.started}
         return state
 
-    def load_model_state(self, state: dict) -> None:
-        super().load_model_state(state)
+    def load_lineage_state(self, state: dict) -> None:
+        super().load_lineage_state(state)
         extra = state["async"]
         self.clock, self.tick, self.arrivals = extra["clock"], extra["tick"], extra["arrivals"]
         self.queue = [tuple(entry) for entry in extra["queue"]]

@@ -14,32 +14,36 @@ clients are round(m·``attack.fraction``) clients drawn once from the run's seed
 (:func:`malicious_clients`), so they are the same in every round and after a resume; the draw is
 independent of every other random choice of the run.
 
-Where it acts: a transform at the delivery boundary (order 10, before anything that encodes a
-message for the wire) on the uploads of malicious clients — training uploads (``up``) and the
-uploads of the newcomer join phase (``join_up``); evaluation replies (``eval_up``: IFCA's cluster choice) are left
-alone, and so is every downlink. It rewrites the receiver's copy, so the attacker's kept state is
-what it trained (its local computation is honest; only what it sends is not). Only floating-point
-tensors are rewritten: integer tensors are control values (IFCA's chosen cluster index travels
-honestly, so the attacker poisons the cluster it picked) and ``info`` (sample count, training loss)
-is kept. What "the upload" is follows the method: a model (FedAvg, FPFC, IFCA, Ditto's global task,
-...), an update (CFL's Δθ, SCAFFOLD's Δy and Δc), or PACFL's one-shot data basis (a Byzantine
-client may send any basis: the attack rewrites it like a model). A method whose uplink carries no
-model content at all (PerFed-CKT: public-set logits) declares ``attackable_uplink = False`` and a
-config that attacks it is refused (``attack.kind``). Structured payloads (an ``Encoded`` compressed
-vector, a ``LowRank`` factor pair) are not rewritten: attacks do not combine with uplink
-compression — :func:`pfl.resolver.resolve` refuses ``compression.uplink`` and the methods that encode
-their own uplink (``compresses_uplink``: DIANA, MARINA, LAG) before any training, and meeting such a
-payload anyway raises a ConfigError naming ``attack.kind``. (Supporting them would mean attacking
-before the client's encoding, as a client-side wire stage ahead of the codec: an attacker that
-sends a well-formed compressed message; not done.)
+Where it acts: a wire stage (:mod:`pfl.federation.wire`) on the sender's side of the uploads of
+malicious clients — training uploads (``up``) and the uploads of the newcomer join phase
+(``join_up``); evaluation replies (``eval_up``: IFCA's cluster choice) are left alone, and so is
+every downlink. "Malicious only" and "training and join only" are an :class:`~pfl.federation.wire.Only`
+wrapper around the stage, ``scope: head`` a :class:`~pfl.federation.wire.Masked` one. The stage
+writes new tensors instead of editing the reply, so the attacker's kept state is what it trained
+(its local computation is honest; only what it sends is not). What it rewrites follows the
+message's declared parts (:mod:`pfl.federation.messages`): the floating-point entries of every part
+but ``Scalars`` (IFCA's chosen cluster index travels honestly, so the attacker poisons the cluster it
+picked); ``info`` (sample count, training loss) is kept. What "the upload" is follows the method: a
+model (FedAvg, FPFC, IFCA, Ditto's global task, ...), an update (CFL's Δθ, SCAFFOLD's Δy and Δc), or
+PACFL's one-shot data basis (a Byzantine client may send any basis). A method whose uplink carries
+no model content at all (PerFed-CKT: public-set logits) declares ``attackable_uplink = False`` and a
+config that attacks it is refused (``attack.kind``).
 
-Cohorts: the sequential and the vectorized path (``federation.cohort``) both deliver every client's
-upload separately on the wire (:meth:`pfl.federation.wire.Wire.deliver`), so the attack needs no
+With compression. The attack and the codec are two stages of one chain, in the order
+``federation.stages`` declares. ``[attack, compression]`` (the default): a Byzantine client behind a
+compressed uplink — the attacker's upload is encoded like anyone's. ``[compression, attack]``: the
+attacker sends arbitrary values in the slots of its encoded message — an ``Encoded`` payload keeps
+its format and bit count, and the attack rewrites the values it carries (its non-zero entries; a
+sign flip scales them). The methods that encode their own uplink (DIANA, MARINA, LAG) are attacked
+the second way whatever the order, since their messages are already encoded when any stage sees them.
+
+Cohorts: the sequential and the vectorized path (``federation.cohort``) both run every client's
+side of the wire separately (:meth:`pfl.federation.wire.Wire.client_side`), so the attack needs no
 fallback — the attacked uploads are the same seeded draws and the benign ones agree up to float
 rounding (tested).
 
-``attack.scope: head`` rewrites only the tensors of the model's head (its last layer, by
-:func:`pfl.models.layer_groups`; an entry ``prefix/name`` counts by its ``name``): the FPFC paper
+``attack.scope: head`` rewrites only the entries of the model's head (its last layer, by
+:func:`pfl.models.layer_groups`; in any part, an entry counts by its name): the FPFC paper
 attacks "the personalization layers" in its CNN experiments, where FPFC clusters only the last layer
 and averages the rest FedAvg-style — with ``scope: model`` the attackers also poison that average,
 which FPFC's SCAD penalty does not protect (see pipelines/robustness.py).
@@ -51,26 +55,24 @@ are the artifact ``attack_malicious.csv``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from ..config import round_share
 from ..models import layer_groups
-from ..schema import ConfigError
 from .context import derive_seed
-from .messages import Message
-from .transforms import register_transform_factory
+from .messages import Encoded, Message, Payload
+from .wire import Masked, Only, Phase, Stage, register_stage
 
 if TYPE_CHECKING:
     from ..config import ExperimentConfig
+    from ..methods.base import ClientHandle, Method
     from .context import RunContext
 
-#: order of the attack transform: before any encoding of the message for the wire
-ORDER = 10
-#: the directions an attacker rewrites: training uploads and the newcomer join phase's uploads
-UPLOADS = ("up", "join_up")
+#: the phases whose uploads an attacker rewrites: training and the newcomer join phase
+PHASES = ("train", "join")
 
 
 def malicious_clients(cfg: "ExperimentConfig", num_clients: int) -> tuple[int, ...]:
@@ -82,73 +84,85 @@ def malicious_clients(cfg: "ExperimentConfig", num_clients: int) -> tuple[int, .
     return tuple(sorted(int(i) for i in rng.choice(num_clients, size=count, replace=False)))
 
 
-def attack_tensors(tensors: dict[str, torch.Tensor], kind: str, std: float, generator: torch.Generator,
-                   only: Callable[[str], bool] | None = None) -> None:
-    """Rewrite the floating-point ``tensors`` of one upload in place (integer tensors are kept;
-    with ``only``, just the names it accepts)."""
-    names = [k for k, t in tensors.items() if t.is_floating_point() and (only is None or only(k))]
+def attack_tensors(tensors: dict[str, torch.Tensor], kind: str, std: float,
+                   generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """The attacked values of the floating-point ``tensors`` of one upload (new tensors, in the
+    order given; one scalar c or s per upload)."""
     if kind == "same_value":
         c = float(torch.randn((), generator=generator, dtype=torch.float64)) * std
-        for k in names:
-            tensors[k].fill_(c)
-    elif kind == "sign_flip":
+        return {k: torch.full_like(t, c) for k, t in tensors.items()}
+    if kind == "sign_flip":
         s = abs(float(torch.randn((), generator=generator, dtype=torch.float64))) * std
-        for k in names:
-            tensors[k].mul_(-s)
-    elif kind == "gaussian":
-        for k in names:
-            t = tensors[k]
+        return {k: t * -s for k, t in tensors.items()}
+    if kind == "gaussian":
+        out = {}
+        for k, t in tensors.items():
             noise = torch.randn(t.shape, generator=generator, dtype=torch.float32) * std
-            t.copy_(noise.to(device=t.device, dtype=t.dtype))
-    else:
-        raise ValueError(f"unknown attack {kind!r}")
+            out[k] = noise.to(device=t.device, dtype=t.dtype)
+        return out
+    raise ValueError(f"unknown attack {kind!r}")
 
 
-class Attack:
-    """The uplink transform of a run's malicious clients (see the module docstring)."""
+class Attack(Stage):
+    """A Byzantine client's upload replaced on its way out (see the module docstring); the stage
+    itself attacks every upload it is given (:func:`attack_stage` restricts it)."""
 
-    def __init__(self, cfg: "ExperimentConfig", num_clients: int, head: list[str] | None = None):
-        self.kind = cfg.attack.kind
-        self.head = None if cfg.attack.scope == "model" else frozenset(head or ())
-        self.std = {"same_value": cfg.attack.same_value_std, "sign_flip": cfg.attack.sign_flip_std,
-                    "gaussian": cfg.attack.gaussian_std}[self.kind]
-        self.seed = cfg.seed
-        self.malicious = frozenset(malicious_clients(cfg, num_clients))
+    key = "attack"
+
+    def __init__(self, kind: str, std: float, seed: int):
+        self.kind, self.std, self.seed = kind, std, seed
 
     def generator(self, rnd: int, cid: int) -> torch.Generator:
         g = torch.Generator()
         g.manual_seed(derive_seed(self.seed, "attack", rnd, cid))
         return g
 
-    def __call__(self, msg: Message, direction: str, rnd: int, cid: int) -> Message:
-        if direction not in UPLOADS or cid not in self.malicious:
+    def send_up(self, phase: Phase, client: "ClientHandle", msg: Message, notes: dict) -> Message:
+        values: dict[tuple[str, str], torch.Tensor] = {}
+        for pname, part in msg.parts.items():
+            if part.control:
+                continue
+            for name, e in part.entries.items():
+                t = e.decoded if isinstance(e, Encoded) else e
+                if isinstance(e, Payload) and not isinstance(e, Encoded):
+                    raise TypeError(f"attack: part {pname!r} holds a {type(e).__name__} payload ({name!r}), "
+                                    "which an attack cannot rewrite")
+                if t.is_floating_point():
+                    values[pname, name] = t
+        if not values:
             return msg
-        tensors = {}
-        for k, entry in msg.entries.items():
-            if not isinstance(entry, torch.Tensor):
-                raise ConfigError("attack.kind", f"the upload of client {cid} holds a {type(entry).__name__} "
-                                                 f"payload ({k!r}); attacks rewrite plain tensors and do not "
-                                                 "combine with uplink compression")
-            tensors[k] = entry
-        attack_tensors(tensors, self.kind, self.std, self.generator(rnd, cid),
-                       None if self.head is None else self.in_head)
-        return msg
-
-    def in_head(self, name: str) -> bool:
-        """Whether a message entry carries a head tensor (its name, possibly behind a method's
-        ``prefix/``, e.g. SCAFFOLD's ``dy/``)."""
-        return name in self.head or name.rsplit("/", 1)[-1] in self.head
-
-
-def _attack_transforms(cfg: "ExperimentConfig", ctx: "RunContext") -> list:
-    if cfg.attack.kind == "none" or round_share(ctx.num_clients, cfg.attack.fraction) == 0:
-        return []
-    head = None
-    if cfg.attack.scope == "head":
-        head = list(layer_groups(ctx.model).head)
-    return [Attack(cfg, ctx.num_clients, head)]
+        flat = {f"{p}/{n}": t for (p, n), t in values.items()}
+        attacked = attack_tensors(flat, self.kind, self.std, self.generator(phase.rnd, client.cid))
+        parts = {}
+        for pname, part in msg.parts.items():
+            entries = dict(part.entries)
+            for name, e in part.entries.items():
+                if (pname, name) not in values:
+                    continue
+                new = attacked[f"{pname}/{name}"]
+                if isinstance(e, Encoded):  # the same format: new values in the slots it carries
+                    new = torch.where(e.decoded != 0, new, torch.zeros_like(new))
+                    new = Encoded(new, e.bits, e.values)
+                entries[name] = new
+            parts[pname] = part.replace(entries)
+        return msg.replace(parts)
 
 
-register_transform_factory("attack", _attack_transforms, order=ORDER)
+def attack_stage(cfg: "ExperimentConfig", ctx: "RunContext", method: "Method") -> Stage | None:
+    """The run's attack: :class:`Attack` on the training and join uploads of its malicious clients
+    (and only on the head's entries with ``attack.scope: head``); None without one."""
+    malicious = malicious_clients(cfg, ctx.num_clients)
+    if not malicious:
+        return None
+    a = cfg.attack
+    std = {"same_value": a.same_value_std, "sign_flip": a.sign_flip_std, "gaussian": a.gaussian_std}[a.kind]
+    stage: Stage = Attack(a.kind, std, cfg.seed)
+    if a.scope == "head":
+        head = frozenset(layer_groups(ctx.model).head)
+        stage = Masked(stage, lambda part, name: name in head)
+    return Only(stage, phases=PHASES, clients=malicious)
 
-__all__ = ["Attack", "ORDER", "attack_tensors", "malicious_clients"]
+
+register_stage("attack", attack_stage)
+
+__all__ = ["Attack", "PHASES", "attack_stage", "attack_tensors", "malicious_clients"]

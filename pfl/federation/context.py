@@ -53,7 +53,7 @@ class FederationMeta:
     @classmethod
     def of(cls, data: "FederatedData") -> "FederationMeta":
         return cls(task=data.task, num_classes=data.num_classes, input_shape=tuple(data.input_shape),
-                   source=data.source, client_sizes=tuple(c.n_train for c in data.clients),
+                   source=data.source, client_sizes=tuple(data.client_sizes()),
                    true_clusters=data.true_clusters)
 
 

@@ -5,8 +5,7 @@ rounds, evaluation, the models a pipeline asks for (``personal_models``, ``evalu
 newcomers' join and, split in its two halves, the asynchronous driver. For each client:
 
 1. ``server_side(cid)`` — the server's downlink (None: nothing is sent);
-2. the downlink is delivered (:meth:`pfl.federation.wire.Wire.send_down`: stages, copy, transforms,
-   ledger);
+2. the downlink is delivered (:meth:`pfl.federation.wire.Wire.send_down`: copy, stages, ledger);
 3. the client's state is loaded from the store, the client's side runs — ``client_side(client,
    msg)`` returns ``(reply, local)``, where ``local`` is what the simulator observes about the
    client and never sends (an evaluation row) — and the state is saved;
@@ -15,7 +14,9 @@ newcomers' join and, split in its two halves, the asynchronous driver. For each 
 Step 3 runs through the run's cohort (:mod:`pfl.federation.cohort`): one client at a time, or the
 clients of a part together with their training and evaluation requests batched. It is the same
 code path; the cohort only decides which clients form a part (:meth:`parts`) and which compute
-object their handles get.
+object their handles get. With a ``window`` (a store that keeps states on disk), the clients go to
+the cohort at most ``window`` at a time, so an evaluation of every client holds only a window's
+states and data in memory.
 
 Every client of ``clients`` ends as an :class:`Arrival`. Without ``receive`` the exchange returns
 them all; with it, each arrival goes to ``receive`` as soon as it is delivered (a part at a time)
@@ -33,7 +34,6 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from .cohort import Compute, Job
 from .messages import Message
-from .state import storages
 from .store import ClientStore
 from .wire import ClientSide, Phase, Wire
 
@@ -57,18 +57,26 @@ HandleFactory = Callable[[int, dict, Compute], "ClientHandle"]
 class Exchange:
     """The run's exchange (see the module docstring): a wire, a client store, a cohort runner."""
 
-    def __init__(self, wire: Wire, store: ClientStore, runner, handle: HandleFactory):
+    def __init__(self, wire: Wire, store: ClientStore, runner, handle: HandleFactory, window: int | None = None,
+                 prefetch: Callable[[list[int]], None] | None = None):
         self.wire = wire
         self.store = store
         self.runner = runner   # pfl.federation.cohort.Sequential or Cohort
         self.handle = handle
+        self.window = window
+        self.prefetch = prefetch  # builds a window's client data together (data built on demand)
 
     def __call__(self, phase: Phase, clients: Sequence[int], server_side: ServerSide, client_side: ClientSide,
                  receive: Callable[[Arrival], None] | None = None) -> dict[int, Arrival]:
         out: dict[int, Arrival] = {}
-        for part in self.runner.parts(clients):
-            downs = {cid: self.send(phase, cid, server_side(cid)) for cid in part}
-            out.update(self.complete(phase, downs, client_side, receive))
+        clients = list(clients)
+        step = self.window or max(len(clients), 1)
+        for start in range(0, len(clients), step):
+            if self.prefetch is not None:
+                self.prefetch(clients[start:start + step])
+            for part in self.runner.parts(clients[start:start + step]):
+                downs = {cid: self.send(phase, cid, server_side(cid)) for cid in part}
+                out.update(self.complete(phase, downs, client_side, receive))
         return out
 
     def send(self, phase: Phase, cid: int, msg: Message | None) -> Message | None:
@@ -80,6 +88,7 @@ class Exchange:
                  receive: Callable[[Arrival], None] | None = None) -> dict[int, Arrival]:
         """The second half: every client of ``downs`` (together, one cohort part) works on its
         delivered downlink and its reply is delivered back."""
+        self.store.open()
         sent = {cid: self.wire.sent(phase, cid, downs[cid]) for cid in downs}
         states = {cid: self.store.load(cid) for cid in downs}
         clients: dict[int, ClientHandle] = {}
@@ -91,15 +100,12 @@ class Exchange:
             return run
 
         results = self.runner.run({cid: job(cid) for cid in downs})
-        # what each client kept: a reply tensor among it is copied on the way up, any other
-        # freshly trained one is handed over as it is (Message.copy)
-        kept = {cid: storages(clients[cid].state) for cid in downs}
         for cid in downs:
             self.store.save(cid, clients[cid].state)
         out: dict[int, Arrival] = {}
         for cid in downs:
             reply, local = results[cid]
-            arrival = Arrival(cid, self.wire.send_up(phase, cid, reply, sent[cid], kept[cid]), local)
+            arrival = Arrival(cid, self.wire.send_up(phase, cid, reply, sent[cid]), local)
             if receive is None:
                 out[cid] = arrival
             else:

@@ -5,6 +5,10 @@ The run's clients are fixed at the start from its seed: the newcomers (``newcome
 the malicious clients (``attack.*``, :mod:`.attacks`) train and are evaluated like the others, but
 the evaluation summary (``test/*``, ``val/*``, ``global/*``) is over the benign members, and the
 per-client table marks both kinds.
+
+With ``federation.eval_clients``, the evaluations before the last cover a fixed sample of the
+members (drawn once from the run's seed, so every evaluation and a resumed run see the same
+clients); the final evaluation covers everyone.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ class Population:
         self.client_ids = client_ids  # a natural partition's own id of each client (file sources)
         self.malicious: frozenset[int] = frozenset(malicious_clients(ctx.cfg, ctx.num_clients))
         self.newcomers: frozenset[int] = frozenset(ctx.newcomers)
+        self._eval_sample: list[int] | None = None
 
     def sample(self, rnd: int) -> list[int]:
         """The clients of round ``rnd``: ``clients_per_round`` of the members (newcomers never)."""
@@ -32,9 +37,20 @@ class Population:
         rng = self.ctx.rng(rnd, "sample")
         return sorted(members[int(i)] for i in rng.choice(m, size=k, replace=False))
 
-    def evaluated(self, joined: bool) -> list[int]:
-        """The clients evaluated now: the members, and the newcomers once they have joined."""
-        return list(range(self.ctx.num_clients)) if joined else self.ctx.members
+    def evaluated(self, joined: bool, final: bool = True) -> list[int]:
+        """The clients evaluated now: the members, and the newcomers once they have joined; before
+        the final evaluation, the ``federation.eval_clients`` sample of the members when one is set."""
+        if joined:
+            return list(range(self.ctx.num_clients))
+        x = self.ctx.cfg.federation.eval_clients
+        if final or not x:
+            return self.ctx.members
+        if self._eval_sample is None:
+            members = self.ctx.members
+            k = min(len(members), max(1, round(x * len(members))) if x < 1 else int(x))
+            picked = self.ctx.rng("eval_clients").choice(len(members), size=k, replace=False)
+            self._eval_sample = sorted(members[int(i)] for i in picked)
+        return self._eval_sample
 
     def summary_rows(self, rows: list[dict]) -> list[dict]:
         """The rows the evaluation summary is over: benign members."""

@@ -2,8 +2,9 @@
 
 ``Simulator(cfg)`` builds a run from its config: the data on the run's device, the shared model
 object, the method's server and client objects, the population (:mod:`.population`: members,
-newcomers, malicious clients), the client-state store (:mod:`.store`), the wire (:mod:`.wire`:
-compression stage, transforms such as attacks, the ledger) and the exchange (:mod:`.exchange`)
+newcomers, malicious clients), the client-state store (:mod:`.store`: in memory, or on disk with the
+clients' data built when sampled, :mod:`.diskstore`), the wire (:mod:`.wire`: its stages — an
+attack, compression — in the declared order, and the ledger) and the exchange (:mod:`.exchange`)
 through which every message travels. It does not drive itself: the round loop
 (:class:`pfl.federation.loop.RoundLoop`) calls :meth:`run_round`, with callbacks around it;
 checkpoint files are :mod:`.checkpoint`'s. Every random choice is drawn from a generator seeded by
@@ -25,7 +26,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ..compression import Codec
+from ..compression import codec  # noqa: F401  (registers the compression stage)
 from ..config import ExperimentConfig
 from ..data import load_federated
 from ..evaluation import evaluate_plan, summarize
@@ -33,18 +34,18 @@ from ..methods import ClientHandle, EvalPlan, Method, get_method
 from ..models import build_model
 from ..models.custom import prepare_model
 from ..schema import from_dict, to_dict
-from . import attacks  # noqa: F401  (registers the attack transform)
+from . import attacks  # noqa: F401  (registers the attack stage)
 from .cohort import DIRECT, Cohort, Compute, Sequential
 from .comm import CommLedger
 from .context import FederationMeta, RunContext
+from .diskstore import DiskStore
 from .exchange import Exchange, Phase
 from .messages import Message
 from .newcomers import newcomer_clients
 from .population import Population
 from .state import clone, to_device, tree_map
-from .store import initial_store
-from .transforms import Transform, build_transforms
-from .wire import ClientSide, Wire
+from .store import ClientStore, memory_store, plan_store, release_heap, state_estimate
+from .wire import Chain, ClientSide, Stage, Wire, build_stages
 
 
 def resolve_device(name: str) -> torch.device:
@@ -63,14 +64,16 @@ class DivergedError(RuntimeError):
 
 
 class Simulator:
-    def __init__(self, cfg: ExperimentConfig, data=None, transforms: list[Transform] | None = None):
+    def __init__(self, cfg: ExperimentConfig, data=None, stages: list[Stage] | None = None):
         self.cfg = cfg
         self.start_config = cfg.to_dict()  # what a checkpoint is compared with on resume
         fed = cfg.federation
         if fed.threads:
             torch.set_num_threads(fed.threads)
         self.device = resolve_device(fed.device)
-        self.data = (data if data is not None else load_federated(cfg.data, cfg.seed)).to(self.device)
+        # data built when a client is first asked for; all of it at once below if the store keeps
+        # everything in memory (federation.client_store)
+        self.data = (data if data is not None else load_federated(cfg.data, cfg.seed, on_demand=True)).to(self.device)
         torch.manual_seed(cfg.seed)  # only model construction; all later draws use derived generators
         model = build_model(cfg.model.name, cfg.model.params, self.data.input_shape,
                             self.data.num_classes).to(self.device)
@@ -84,24 +87,46 @@ class Simulator:
         self.method: Method
         self.client_role: Method
         self.method, self.client_role = method_cls.create(cfg.method.hparams, self.ctx)
-        transforms = list(transforms or []) + build_transforms(cfg, self.ctx)
         # auto batches only on a GPU: on CPU the batched cohort measured no faster than the loop,
         # for training and evaluation alike (pipelines/bench_cohort.py)
         self.vectorized = fed.cohort == "vectorized" or (
             fed.cohort == "auto" and method_cls.cohort == "vectorized" and self.device.type == "cuda")
-        self.codec = Codec(cfg.compression, self.ctx, self.method, self.client_role)  # no-op without compression
         self.ledger = CommLedger()
-        self.wire = Wire(self.ledger, transforms, [self.codec])
+        # the run's stages in declared order (federation.stages), then any a caller adds
+        chain = build_stages(cfg, self.ctx, self.method)
+        self.wire = Wire(self.ledger, Chain(chain.stages + list(stages or [])))
         self.round = 0       # the lineage's next round
         self.executed = 0    # rounds computed by this run
         self.history: list[dict[str, float]] = []
         self.elapsed = 0.0
         self.last_client_table: list[dict] | None = None
-        self.store = initial_store(self.num_clients, self._new_client_state, fed.client_state_device,
-                                   self.device, model)
+        self.store = self._make_store(model)
+        for stage in self.wire.stages.stages:  # a stage's per-client server memories live in the store
+            if hasattr(stage, "bind_store"):
+                stage.bind_store(self.store)
         runner = (Cohort(fed.cohort_chunk, vectorizable=method_cls.cohort == "vectorized", method=method_cls.name)
                   if self.vectorized else Sequential())
-        self.exchange = Exchange(self.wire, self.store, runner, self._handle)
+        self.exchange = Exchange(self.wire, self.store, runner, self._handle, window=self.plan.window,
+                                 prefetch=self._next_window if self.plan.window else None)
+
+    def _make_store(self, model: torch.nn.Module) -> ClientStore:
+        """The client-state store ``federation.client_store`` asks for (:func:`.store.plan_store`)."""
+        fed = self.cfg.federation
+        first = self._new_client_state(0, self.device) if self.num_clients else {}
+        self.plan = plan_store(fed, self.num_clients, self.ctx.num_members, state_estimate(first, model),
+                               self.data.client_nbytes())
+        if self.plan.kind == "memory":
+            self.data = self.data.materialized()  # every client's data, built once
+            return memory_store(self.num_clients, self._new_client_state, fed.client_state_device, self.device,
+                                model, first)
+        self.data.keep_at_most(self.plan.data_capacity)
+        return DiskStore(fed.client_store_dir, self.num_clients, lambda cid: self._new_client_state(cid, self.device),
+                         self.device, self.plan.flush_bytes)
+
+    def _next_window(self, cids: list[int]) -> None:
+        """Before an exchange's next clients (disk store): return freed memory, build their data."""
+        release_heap()
+        self.data.prefetch(cids)
 
     # ---- clients -------------------------------------------------------------------------------
     @property
@@ -112,17 +137,19 @@ class Simulator:
     def malicious(self) -> frozenset[int]:
         return self.population.malicious
 
-    @property
-    def transforms(self) -> list[Transform]:
-        return self.wire.transforms
-
-    @transforms.setter
-    def transforms(self, value: list[Transform]) -> None:
-        self.wire.transforms = list(value)
+    def stage(self, key: str) -> Stage | None:
+        """The run's stage named ``key`` (``attack``, ``compression``) without its wrappers; None
+        when the run has none."""
+        for stage in self.wire.stages.stages:
+            if stage.key == key:
+                while hasattr(stage, "inner"):
+                    stage = stage.inner
+                return stage
+        return None
 
     @property
     def client_states(self) -> list[dict]:
-        """Every client's stored state (for inspection)."""
+        """Every client's stored state (for inspection and tests: a disk store reads them all)."""
         return self.store.states()
 
     def _handle(self, cid: int, state: dict, compute: Compute = DIRECT) -> ClientHandle:
@@ -205,7 +232,9 @@ class Simulator:
         rnd = self.round - 1
         self.method.begin_eval(rnd, final)
         task, with_global = self.data.task, self.cfg.federation.eval_global
-        cids = self.evaluation_clients()  # the members (and the newcomers once they joined)
+        # the members (and the newcomers once they joined); federation.eval_clients: a fixed sample
+        # of them, except at the final evaluation
+        cids = self.population.evaluated(self.newcomers_joined, final)
 
         def plan_and_row(client: ClientHandle, msg: Message | None):
             plan = self.client_role.eval_plan(rnd, client, msg)
@@ -221,6 +250,8 @@ class Simulator:
         metrics = summarize(summarized, task)
         if self.malicious:
             metrics["attack/benign_clients"] = float(len(summarized))
+        if self.cfg.federation.eval_clients:
+            metrics["eval/clients"] = float(len(cids))
         metrics.update(self.method.extra_metrics(rnd, final=final))
         return metrics
 
@@ -244,14 +275,17 @@ class Simulator:
         def test(client: ClientHandle, msg: Message):  # nothing goes back: the row is the client's measurement
             return None, evaluate_plan(client, EvalPlan(msg.tensors()), task, False)
 
-        arrivals = self.exchange(Phase("eval", rnd), cids, lambda cid: Message.of(model_of(cid)), test)
+        arrivals = self.exchange(Phase("eval", rnd), cids, lambda cid: Message.model(model_of(cid)), test)
         summary = summarize(self.summary_rows([self.population.mark(arrivals[cid].local) for cid in cids]), task)
         if task == "classification":
             return {f"{name}_acc": summary["test/acc_mean"]} if "test/acc_mean" in summary else {}
         return {f"{name}_rmse": summary["test/rmse_mean"]} if "test/rmse_mean" in summary else {}
 
-    def personal_models(self, cids: list[int] | None = None) -> dict[int, dict[str, torch.Tensor]]:
-        """The models clients are evaluated with now (an evaluation exchange, counted as such)."""
+    def personal_models(self, cids: list[int] | None = None,
+                        receive: Callable[[int, dict[str, torch.Tensor]], None] | None = None
+                        ) -> dict[int, dict[str, torch.Tensor]]:
+        """The models clients are evaluated with now (an evaluation exchange, counted as such);
+        with ``receive``, each is handed over as it is made and none is kept."""
         rnd = self.round - 1
         self.method.begin_eval(rnd, False)
         cids = self.evaluation_clients() if cids is None else cids
@@ -260,8 +294,10 @@ class Simulator:
             plan = self.client_role.eval_plan(rnd, client, msg)
             return plan.reply, plan.personal
 
-        arrivals = self.exchange(Phase("eval", rnd), cids, lambda cid: self.method.eval_message(rnd, cid), personal)
-        return {cid: arrivals[cid].local for cid in cids}
+        stream = None if receive is None else (lambda arrival: receive(arrival.cid, arrival.local))
+        arrivals = self.exchange(Phase("eval", rnd), cids, lambda cid: self.method.eval_message(rnd, cid), personal,
+                                 stream)
+        return {cid: arrivals[cid].local for cid in cids} if receive is None else {}
 
     def personal_params(self, cid: int) -> dict[str, torch.Tensor]:
         return self.personal_models([cid])[cid]
@@ -273,36 +309,48 @@ class Simulator:
         self.cfg.method.hparams = hparams
 
     # ---- state ---------------------------------------------------------------------------------
-    def model_state(self) -> dict:
-        """What a model lineage is: its round, hyperparameters, server state and client states."""
-        state = {"round": self.round, "hparams": to_dict(self.method.hp),
-                 "server": self.method.server_state(), "clients": self.store.states(),
+    def lineage_state(self) -> dict:
+        """The model lineage without its client states: round, hyperparameters, server state."""
+        state = {"round": self.round, "hparams": to_dict(self.method.hp), "server": self.method.server_state(),
                  "newcomers": {"joined": self.newcomers_joined, "result": self.join_result}}
-        codec = self.codec.state_dict()
-        if codec:  # the server's downlink mirrors (compression.downlink)
-            state["codec"] = codec
+        stages = self.wire.stages.state_dict()
+        if stages:  # the server side of the wire's stages, by name (compression: the downlink mirrors)
+            state["stages"] = stages
         return state
 
-    def load_model_state(self, state: dict) -> None:
+    def load_lineage_state(self, state: dict) -> None:
         self.round = int(state["round"])
         self.set_hparams(from_dict(type(self.method.hp), state["hparams"], "method"))
         # accelerator tensors follow the run's device; host tensors stay where the method keeps them
         self.method.load_server_state(tree_map(lambda t: t if t.device.type == "cpu" else t.to(self.device),
                                                state["server"]))
-        self.store.replace(state["clients"])
         join = state.get("newcomers") or {}
         self.newcomers_joined = bool(join.get("joined", False))
         self.join_result = join.get("result")
-        self.codec.load_state_dict(to_device(state.get("codec", {}), self.device))
+        self.wire.stages.load_state_dict(to_device(state.get("stages", {}), self.device))
+
+    def model_state(self) -> dict:
+        """The whole model lineage as plain data, every client's state included (for inspection and
+        tests: it costs the whole population; checkpoints and snapshots do not use it)."""
+        state = self.lineage_state()
+        state["clients"] = self.store.states()
+        memories = self.store.memories()
+        if memories:  # server-side per-client memories (pfl.federation.store.ClientMemory)
+            state["memories"] = memories
+        return state
 
     def snapshot(self) -> dict:
-        """A copy of the model state that later rounds cannot change (restore with :meth:`restore`)."""
-        return clone(self.model_state())
+        """A copy of the model state that later rounds cannot change (restore with :meth:`restore`);
+        the client states are the store's snapshot (a disk store's is its index)."""
+        state = clone(self.lineage_state())
+        state["clients"] = self.store.snapshot()
+        return state
 
     def restore(self, snapshot: dict) -> None:
         """Continue from a snapshot's model state; the run's accounting (executed rounds, history,
         communication, time) carries on, so cumulative counters never decrease."""
-        self.load_model_state(clone(snapshot))
+        self.load_lineage_state(clone({k: v for k, v in snapshot.items() if k != "clients"}))
+        self.store.restore(snapshot["clients"])
 
 
 __all__ = ["DivergedError", "Simulator", "resolve_device"]

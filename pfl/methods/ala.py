@@ -70,7 +70,8 @@ import numpy as np
 import torch
 from torch.func import functional_call
 
-from ..federation.messages import Message
+from ..compression import decode_update
+from ..federation.messages import Message, Model
 from ..federation.state import checkpointable
 from ..models import layer_groups
 from ..schema import hp
@@ -340,8 +341,12 @@ class ALAStartMixin(_ALACore):
         # The client's local model for next time: what it trained now, for the names it received.
         if msg is None or reply is None:
             return
-        names = list(msg.keys())
-        sent = reply.tensors()
+        names = [k for p in msg.parts.values() if isinstance(p, Model) for k in p.entries]
+        sent: Params = {}
+        for part in reply.parts.values():
+            if isinstance(part, Model):  # a model the method encoded itself (LAG) is a change of its base
+                base = msg.tensors(part.base) if part.base in msg else None
+                sent.update(decode_update(part.entries, base))
         kept = {k: sent[k].detach() for k in names if k in sent}
         self._ala_state(client)["local"] = kept or None
 

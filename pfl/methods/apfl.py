@@ -131,7 +131,7 @@ class APFL(FedAvg):
         out = result.params
         client.state["v"] = _part(out, _V)
         client.state["alpha"] = out[_A].detach().clone()
-        return Message.of(_part(out, _W), train_loss=result.mean_loss, n=client.n_train)
+        return Message.model(_part(out, _W), base="model", train_loss=result.mean_loss, n=client.n_train)
 
     def personal_params(self, rnd: int, client: ClientHandle, received: Params | None) -> Params:
         v, alpha = client.state.get("v", self.init), self.client_alpha(client)

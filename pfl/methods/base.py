@@ -135,6 +135,9 @@ class Method:
     #: "unbiased" / "any" — the method compresses inside its own protocol (DIANA, MARINA, LAG) with
     #: the compressor ``compression.uplink`` names, which must be unbiased / may be any
     compresses_uplink: ClassVar[str] = ""
+    #: non-empty: why every client must hold exactly what the server holds (a copy kept in step, a
+    #: stored update both sides compare): a lossy ``compression.downlink`` is refused with this reason
+    exact_downlink: ClassVar[str] = ""
     #: dotted config values with which a few-round run on a small config reaches this method's
     #: stateful paths (warm-up over, clusters split, every client sampled where it needs all): what
     #: the tests' every-method runs use (tests/helpers.py), declared here next to ``Hparams``
@@ -207,7 +210,7 @@ class Method:
     def eval_message(self, rnd: int, cid: int) -> Message | None:
         """What client ``cid`` needs from the server to be evaluated (default: the global model)."""
         glob = self.global_params()
-        return None if glob is None else Message.of(glob, **{GLOBAL: True})
+        return None if glob is None else Message.model(glob, **{GLOBAL: True})
 
     def eval_aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
         """Receive the evaluation replies (IFCA: every client's cluster choice)."""
@@ -219,17 +222,6 @@ class Method:
     def artifacts(self, outdir: str) -> list[str]:
         """Write method-specific artifacts (tables, plots) at the end of a run; return paths."""
         return []
-
-    def update_reference(self, rnd: int, received: Params | None, reply: Message) -> Params:
-        """For uplink compression: the tensor each uplink entry is an update of (both sides call it,
-        the client with what it decoded from the downlink, the server with its record of that).
-
-        Default: the downlink tensor of the same name (FedAvg's trained model is compressed as
-        trained − received); entries without one are compressed as values (SCAFFOLD's Δy, Δc).
-        """
-        if not received:
-            return {}
-        return {k: received[k] for k in reply.entries if k in received}
 
     def cluster_assignment(self) -> dict[int, int] | None:
         """Clustered methods: the cluster each client in the federation is in now (None: no clusters)."""
@@ -315,7 +307,7 @@ class FineTuneNewcomers:
         return list(self.ctx.newcomers) if step < steps else []  # type: ignore[attr-defined]
 
     def join_message(self, rnd: int, step: int, cid: int) -> Message | None:
-        return Message.of(dict(self.global_model)) if step == 0 else None  # type: ignore[attr-defined]
+        return Message.model(dict(self.global_model)) if step == 0 else None  # type: ignore[attr-defined]
 
     def join_update(self, rnd: int, step: int, client: ClientHandle, msg: Message | None) -> Message | None:
         start = msg.tensors() if step == 0 else client.state["joined"]

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from ..aggregation import weighted_average
-from ..federation.messages import Message
+from ..federation.messages import Message, Update
 from ..models.functional import flatten_params, unflatten_params
 from ..clusters import assignment_metrics, write_assignment_table
 from ..schema import hp
@@ -152,13 +152,13 @@ class CFL(Method):
         return self._assign
 
     def broadcast(self, rnd: int, cid: int) -> Message:
-        return Message.of(self.models[int(self.cluster_of()[cid])])
+        return Message.model(self.models[int(self.cluster_of()[cid])])
 
     def local_update(self, rnd: int, client: ClientHandle, msg: Message | None) -> Message:
         start = msg.tensors()
         result = client.train(start, rnd)
         delta = {k: result.params[k] - start[k] for k in start}
-        return Message.of(delta, train_loss=result.mean_loss, n=client.n_train)
+        return Message.of({"delta": Update(delta)}, train_loss=result.mean_loss, n=client.n_train)
 
     def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
         if not replies:
@@ -218,7 +218,7 @@ class CFL(Method):
 
     def eval_message(self, rnd: int, cid: int) -> Message:
         """A client is evaluated with its cluster's model (a newcomer: once it has joined one)."""
-        return Message.of(self.models[int(self.cluster_of()[cid])])
+        return Message.model(self.models[int(self.cluster_of()[cid])])
 
     def cluster_assignment(self) -> dict[int, int]:
         labels = self.cluster_of()
@@ -245,7 +245,7 @@ class CFL(Method):
         return [cid for cid, node in self.join_node.items() if node in self.tree]
 
     def join_message(self, rnd: int, step: int, cid: int) -> Message:
-        return Message.of(self.tree[self.join_node[cid]]["model"])
+        return Message.model(self.tree[self.join_node[cid]]["model"])
 
     def join_update(self, rnd: int, step: int, client: ClientHandle, msg: Message | None) -> Message:
         return self.local_update(rnd, client, msg)

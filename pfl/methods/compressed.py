@@ -45,15 +45,16 @@ def generators(ctx: "RunContext", rnd: int, cid: int, tag: str = ""):
 
 
 def full_participation(ctx: "RunContext") -> bool:
+    """Every member (newcomers are not: they join after training) in every round."""
     k = ctx.cfg.federation.clients_per_round
-    return k == 0 or k >= ctx.num_clients
+    return k == 0 or k >= ctx.num_members
 
 
 def require_full_participation(ctx: "RunContext", method: str, why: str) -> None:
     if not full_participation(ctx):
         raise ConfigError("federation.clients_per_round",
                           f"{method} needs every client in every round ({why}); set 0 (all) or at least "
-                          f"data.num_clients={ctx.num_clients}, got {ctx.cfg.federation.clients_per_round}")
+                          f"the {ctx.num_members} training clients, got {ctx.cfg.federation.clients_per_round}")
 
 
 __all__ = ["full_participation", "generators", "model_bits_ratio", "model_omega", "model_shapes",

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from ..aggregation import zeros_like
 from ..compression import decode_update, encode_update
-from ..federation.messages import Message
+from ..federation.messages import Message, Model, Update
 from ..schema import ConfigError, hp
 from ..training import Params, batch_gradient
 from . import register
@@ -112,12 +112,12 @@ class Diana(FedAvg):
         entries, decoded = encode_update(self.compressor, diff, None, generators(self.ctx, rnd, client.cid),
                                          self.min_numel)
         client.state["h"] = {k: h[k] + self.alpha * decoded[k] for k in h}
-        return Message(entries, {"train_loss": result.mean_loss, "n": client.n_train})
+        return Message.of({"delta": Update(entries)}, train_loss=result.mean_loss, n=client.n_train)
 
     def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
         if not replies:
             return
-        comp = {c: decode_update(r.entries, None) for c, r in replies.items()}
+        comp = {c: decode_update(r["delta"].entries, None) for c, r in replies.items()}
         weights = reply_weights(replies, self.hp.weighting)
         alpha = self.alpha
         if self.per_client:
@@ -193,6 +193,7 @@ class Adiana(Method):
     description = ("ADIANA: accelerated DIANA, one gradient iteration per round, two compressed uploads "
                    "(Li et al. 2020); global model y; every client every round")
     compresses_uplink = "unbiased"
+    exact_downlink = "each client keeps its copy of w, sent only in the rounds it changes"
 
     def configure(self) -> None:
         require_full_participation(self.ctx, self.name, "the server keeps only the mean shift h̄")
@@ -207,7 +208,8 @@ class Adiana(Method):
         if self.hp.eta:
             return self.hp.eta
         w, p = self.omega, self.prob
-        factor = 1.0 if w == 0 else min(1.0, self.ctx.num_clients / (32 * w * (2 * p * (w + 1) + 1) ** 2))
+        n = self.ctx.num_members  # the clients that train (newcomers join afterwards)
+        factor = 1.0 if w == 0 else min(1.0, n / (32 * w * (2 * p * (w + 1) + 1) ** 2))
         return self.ctx.lr(rnd) * factor
 
     @property
@@ -234,20 +236,18 @@ class Adiana(Method):
         self._x = adiana_x(self.y, self.z, self.w, self.hp.theta1, self.hp.theta2)
 
     def broadcast(self, rnd: int, cid: int) -> Message:
-        entries = {f"x/{k}": v for k, v in self._x.items()}
+        parts = {"x": Model(self._x)}
         if self.w_changed:
-            entries.update({f"w/{k}": v for k, v in self.w.items()})
-        return Message.of(entries)
+            parts["w"] = Model(self.w)
+        return Message.of(parts)
 
     def init_client(self, client: ClientHandle) -> None:
         client.state["w"] = {k: v.clone() for k, v in self.init.items()}  # w⁰ = x⁰, regenerated
 
     def local_update(self, rnd: int, client: ClientHandle, msg: Message | None) -> Message:
-        got = msg.tensors()
-        x = {k[2:]: v for k, v in got.items() if k.startswith("x/")}
-        w_new = {k[2:]: v for k, v in got.items() if k.startswith("w/")}
-        if w_new:
-            client.state["w"] = w_new
+        x = msg.tensors("x")
+        if "w" in msg:
+            client.state["w"] = msg.tensors("w")
         w = client.state["w"]
         h = client.state.get("h") or zeros_like(x)
         fed, d = self.ctx.cfg.federation, client.data
@@ -259,16 +259,16 @@ class Adiana(Method):
         b_entries, b = encode_update(self.compressor, {k: gw[k] - h[k] for k in h}, None,
                                      generators(self.ctx, rnd, client.cid, "b"), self.min_numel)
         client.state["h"] = {k: h[k] + self.alpha * b[k] for k in h}
-        entries = {**{f"a/{k}": v for k, v in a_entries.items()}, **{f"b/{k}": v for k, v in b_entries.items()}}
-        return Message(entries, {"train_loss": loss, "n": client.n_train})
+        return Message.of({"a": Update(a_entries), "b": Update(b_entries)}, train_loss=loss, n=client.n_train)
 
     def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
         if not replies:
             return
-        dec = [decode_update(r.entries, None) for r in replies.values()]
-        m = len(dec)
-        a_mean = {k: sum(d[f"a/{k}"] for d in dec) / m for k in self.h}
-        b_mean = {k: sum(d[f"b/{k}"] for d in dec) / m for k in self.h}
+        a = [decode_update(r["a"].entries, None) for r in replies.values()]
+        b = [decode_update(r["b"].entries, None) for r in replies.values()]
+        m = len(a)
+        a_mean = {k: sum(d[k] for d in a) / m for k in self.h}
+        b_mean = {k: sum(d[k] for d in b) / m for k in self.h}
         eta = self.eta(rnd)
         beta, gamma = adiana_parameters(eta, self.hp.theta1, self.hp.mu)
         coin = self.coin(rnd)

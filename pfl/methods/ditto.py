@@ -68,7 +68,7 @@ class Ditto(FedAvg):
                                 **self.personal_kwargs(client, received, rnd))
         client.state["personal"] = personal.params
         client.state["personal_loss"] = personal.mean_loss
-        return Message.of(result.params, train_loss=result.mean_loss, n=client.n_train)
+        return Message.model(result.params, base="model", train_loss=result.mean_loss, n=client.n_train)
 
     def personal_params(self, rnd: int, client: ClientHandle, received: Params | None) -> Params:
         return client.state.get("personal", self.init)
@@ -81,7 +81,7 @@ class Ditto(FedAvg):
         return list(self.ctx.newcomers) if step < self.ctx.cfg.newcomers.finetune_rounds else []
 
     def join_message(self, rnd: int, step: int, cid: int) -> Message | None:
-        return Message.of(self.global_model) if step == 0 else None
+        return Message.model(self.global_model) if step == 0 else None
 
     def join_update(self, rnd: int, step: int, client: ClientHandle, msg: Message | None) -> None:
         if step == 0:

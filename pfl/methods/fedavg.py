@@ -41,7 +41,7 @@ class FedAvg(Method):
         self.global_model: Params = self.ctx.init_params()
 
     def broadcast(self, rnd: int, cid: int) -> Message:
-        return Message.of(self.global_model)
+        return Message.model(self.global_model)
 
     def start_params(self, client: ClientHandle, received: Params) -> Params:
         """Where local training starts (FedALA's adaptive local aggregation overrides this)."""
@@ -54,7 +54,7 @@ class FedAvg(Method):
     def local_update(self, rnd: int, client: ClientHandle, msg: Message | None) -> Message:
         received = msg.tensors()
         result = client.train(self.start_params(client, received), rnd, **self.train_kwargs(client, received))
-        return Message.of(result.params, train_loss=result.mean_loss, n=client.n_train)
+        return Message.model(result.params, base="model", train_loss=result.mean_loss, n=client.n_train)
 
     #: this class's ``aggregate`` reads the replies' models only through :meth:`reply_average` (all
     #: names), so with the mean they are folded into a running weighted sum as they arrive; the

@@ -70,7 +70,7 @@ class FedDyn(FedAvg):
         theta_k, alpha = result.params, self.hp.alpha
         g_k = client.state.get("g") or zeros_like(received)
         client.state["g"] = {k: g_k[k] - alpha * (theta_k[k] - received[k]) for k in received}
-        return Message.of(theta_k, train_loss=result.mean_loss, n=client.n_train)
+        return Message.model(theta_k, base="model", train_loss=result.mean_loss, n=client.n_train)
 
     def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
         if not replies:

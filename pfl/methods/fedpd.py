@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..aggregation import weighted_average, zeros_like
-from ..federation.messages import Message
+from ..federation.messages import Message, Update
 from ..schema import hp
 from ..training import Params, ProxPull, Shift, Terms
 from . import register
@@ -59,6 +59,8 @@ class FedPD(Method):
     metric_names = ("fedpd/comm_rounds", "fedpd/local_acc")
     Hparams = FedPDHparams
     quick = {"federation.clients_per_round": 0}
+    exact_downlink = ("a client uploads x_{0,i}⁺ as its change from the x_0 it last received, and the server "
+                      "adds that change to its own x_0")
     description = ("FedPD: primal–dual local updates, communication skipped with probability p "
                    "(Zhang et al. 2021); global model x_0 (local x_i as fedpd/local_acc); every client every round")
 
@@ -78,16 +80,19 @@ class FedPD(Method):
         self.comm_rounds = 0
 
     def broadcast(self, rnd: int, cid: int) -> Message | None:
-        return Message.of(self.x0) if self.pending else None
+        return Message.model(self.x0, name="x0") if self.pending else None
 
     def init_client(self, client: ClientHandle) -> None:
+        # x0: the client's x_{0,i}; held: the last x_0 it received (x⁰ until the first), the base of its uploads
         client.state.update(x={k: v.clone() for k, v in self.init.items()},
-                            x0={k: v.clone() for k, v in self.init.items()}, lam=zeros_like(self.init))
+                            x0={k: v.clone() for k, v in self.init.items()},
+                            held={k: v.clone() for k, v in self.init.items()}, lam=zeros_like(self.init))
 
     def local_update(self, rnd: int, client: ClientHandle, msg: Message | None) -> Message | None:
         st = client.state
         if msg is not None:
-            st["x0"] = msg.tensors()
+            st["x0"] = msg.tensors("x0")
+            st["held"] = {k: v.clone() for k, v in st["x0"].items()}
         x0, lam, eta = st["x0"], st["lam"], self.hp.eta
 
         # ∇ of the augmented Lagrangian's terms: λ + (x − x0)/η, as terms a batched cohort can stack
@@ -97,12 +102,16 @@ class FedPD(Method):
         st["x0"] = x0_plus  # a skipped round keeps it; a communicating one replaces it next round
         if not self.communicates(rnd):
             return None
-        return Message.of(x0_plus, train_loss=result.mean_loss, n=client.n_train)
+        # a change, not the weights: x_{0,i}⁺ − x_0 compresses like any update (after skipped rounds too)
+        held = st["held"]
+        change = {k: x0_plus[k] - held[k] for k in x0_plus}
+        return Message.of({"dx0": Update(change)}, train_loss=result.mean_loss, n=client.n_train)
 
     def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
         self.pending = bool(replies) and self.communicates(rnd)
-        if self.pending:
-            self.x0 = weighted_average([r.tensors() for r in replies.values()])
+        if self.pending:  # x_0 ← mean_i x_{0,i}⁺ = x_0 + mean_i (x_{0,i}⁺ − x_0)
+            mean = weighted_average([r.tensors("dx0") for r in replies.values()])
+            self.x0 = {k: v + mean[k] for k, v in self.x0.items()}
             self.comm_rounds += 1
 
     def global_params(self) -> Params:

@@ -137,7 +137,7 @@ class FedSLR(Method):
     # ---- one round ---------------------------------------------------------------------------
     def broadcast(self, rnd: int, cid: int) -> Message:
         layers = self.layers if self.hp.factorize_downlink else {}
-        return Message(lowrank.encode(self.global_model, layers))
+        return Message.model(lowrank.encode(self.global_model, layers))
 
     def decode(self, msg: Message) -> Params:
         return lowrank.decode(msg)
@@ -163,7 +163,8 @@ class FedSLR(Method):
         client.state["P"] = p
         nnz = sum(int(torch.count_nonzero(v)) for v in p.values())
         numel = sum(v.numel() for v in p.values())
-        return Message.of(w_i, n=client.n_train, train_loss=phase1.mean_loss, p_nnz=nnz, p_numel=numel)
+        return Message.model(w_i, base="model", n=client.n_train, train_loss=phase1.mean_loss, p_nnz=nnz,
+                             p_numel=numel)
 
     def _fuse(self, client: ClientHandle, rnd: int, gkr: Params, p: Params) -> Params:
         """Phase II: proximal SGD on P with the received GKR frozen inside the forward pass."""

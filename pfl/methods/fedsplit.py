@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..aggregation import weighted_average
-from ..federation.messages import Message
+from ..federation.messages import Message, Model
 from ..schema import hp
 from ..training import Params, ProxPull
 from . import register
@@ -63,13 +63,13 @@ class FedSplit(Method):
         self.z: dict[int, Params] = {}  # the latest z_j of every client (client sampling only)
 
     def broadcast(self, rnd: int, cid: int) -> Message:
-        return Message.of(self.xbar)
+        return Message.model(self.xbar, name="xbar")
 
     def init_client(self, client: ClientHandle) -> None:
         client.state["z"] = {k: v.clone() for k, v in self.init.items()}
 
     def local_update(self, rnd: int, client: ClientHandle, msg: Message | None) -> Message:
-        xbar = msg.tensors()
+        xbar = msg.tensors("xbar")
         s = self.hp.s
         losses = []
 
@@ -79,7 +79,8 @@ class FedSplit(Method):
             return result.params
 
         client.state["z"] = fedsplit_reflect(client.state["z"], xbar, prox)
-        return Message.of(client.state["z"], train_loss=losses[0], n=client.n_train)
+        # z_j is the client's own point, sent as the change to the x̄ it was reflected about
+        return Message.of({"z": Model(client.state["z"], ref="xbar")}, train_loss=losses[0], n=client.n_train)
 
     def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
         if not replies:
@@ -89,7 +90,7 @@ class FedSplit(Method):
             self.xbar = weighted_average(list(uploads.values()))
             return
         self.z.update(uploads)
-        models = [self.z.get(c, self.init) for c in range(self.ctx.num_clients)]
+        models = [self.z.get(c, self.init) for c in self.ctx.members]  # newcomers join after training
         self.xbar = weighted_average(models)
 
     def global_params(self) -> Params:

@@ -97,7 +97,7 @@ import torch
 from ..aggregation import RobustAggregation, aggregate
 from ..clusters import cluster_metrics, connected_components, silhouette_threshold, write_assignment_table
 from ..federation.clock import DelayConfig, DelayModel
-from ..federation.messages import Message
+from ..federation.messages import Message, Model
 from ..models import flatten_params, layer_groups, unflatten_params
 from ..prox import group_soft_threshold, scad_prox
 from ..schema import ConfigError, hp
@@ -105,8 +105,6 @@ from ..training import Params, PullTo
 from . import register
 from .base import ClientHandle, EvalPlan, Method
 from .fpfc_admm import FPFCJoin, Prox, pair_update, pairwise_norms, plot_theta_norms, zeta
-
-READOUT = "readout/"  # evaluation-message prefix of a device's read-out model
 
 
 @dataclass
@@ -275,10 +273,11 @@ class FPFC(FPFCJoin, Method):
         return self.body
 
     def broadcast(self, rnd: int, cid: int) -> Message:
-        entries = dict(unflatten_params(self._zeta[cid], self.template, self.clustered))
+        """ζ_i, the target of device i's pull, and the shared body (when there is one)."""
+        parts = {"zeta": Model(unflatten_params(self._zeta[cid], self.template, self.clustered))}
         if self.shared:
-            entries.update(self._shared_for(cid))
-        return Message.of(entries, rho=self.hp.rho)
+            parts["body"] = Model(dict(self._shared_for(cid)))
+        return Message.of(parts, rho=self.hp.rho)
 
     def local_update(self, rnd: int, client: ClientHandle, msg: Message | None) -> Message:
         return self._train(rnd, client, msg, pull=True)
@@ -286,7 +285,7 @@ class FPFC(FPFCJoin, Method):
     def _train(self, rnd: int, client: ClientHandle, msg: Message, pull: bool, tag: str = "train") -> Message:
         """From the device's own w (and the received body), the local steps on f_i(w) + (ρ/2)‖w − ζ_i‖²
         (``pull``) or on f_i alone; keeps the new w, uploads the model."""
-        received = msg.tensors()
+        received = msg.params("zeta", "body")
         rho = float(msg.info["rho"])
         target = {k: received[k] for k in self.clustered} if pull else {}
         start = dict(client.state["w"])
@@ -296,13 +295,18 @@ class FPFC(FPFCJoin, Method):
         # the augmented-Lagrangian pull ρ(w − ζ_i), on the clustered parameters only (none when alone)
         result = client.train(start, rnd, grad_hook=PullTo(target, rho) if pull else None, tag=tag)
         client.state["w"] = {k: result.params[k] for k in self.clustered}
-        return Message.of(result.params, n=client.n_train, train_loss=result.mean_loss)
+        # the clustered layers are the device's own w_i, pulled towards ζ_i (sent as the change to it);
+        # the body was trained from the received body
+        parts = {"w": Model({k: result.params[k] for k in self.clustered}, ref="zeta")}
+        if self.shared:
+            parts["body"] = Model({k: result.params[k] for k in self.shared}, base="body")
+        return Message.of(parts, n=client.n_train, train_loss=result.mean_loss)
 
     def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
         if not replies:
             return
         cids = list(replies)
-        uploads = [replies[c].tensors() for c in cids]
+        uploads = [replies[c].params("w", "body") for c in cids]
         idx = torch.as_tensor(cids, dtype=torch.long, device=self.W.device)
         self.W[idx] = torch.stack([flatten_params(u, self.clustered) for u in uploads])
         self.n_seen[idx] = torch.tensor([float(replies[c].info.get("n", 1)) for c in cids], dtype=torch.float64, device=self.W.device)
@@ -323,17 +327,15 @@ class FPFC(FPFCJoin, Method):
 
     def eval_message(self, rnd: int, cid: int) -> Message | None:
         """The device's body (shared layers) and, when computed, its read-out model."""
-        entries: Params = dict(self._shared_for(cid)) if self.shared else {}
+        parts = {"body": Model(dict(self._shared_for(cid)))} if self.shared else {}
         if self._readout is not None:
-            readout = unflatten_params(self._readout[cid], self.template, self.clustered)
-            entries.update({READOUT + k: v for k, v in readout.items()})
-        return Message.of(entries) if entries else None
+            parts["readout"] = Model(unflatten_params(self._readout[cid], self.template, self.clustered))
+        return Message.of(parts) if parts else None
 
     def eval_plan(self, rnd: int, client: ClientHandle, msg: Message | None) -> EvalPlan:
-        received = {} if msg is None else msg.tensors()
-        body = {k: received[k] for k in self.shared}
+        body = {} if msg is None else msg.params("body")
         personal = {k: ({**body, **client.state["w"]})[k] for k in self.names}
-        readout = {k[len(READOUT):]: v for k, v in received.items() if k.startswith(READOUT)}
+        readout = {} if msg is None else msg.params("readout")
         extra = {"fpfc/readout": {k: ({**body, **readout})[k] for k in self.names}} if readout else {}
         return EvalPlan(personal, extra=extra)
 

@@ -12,9 +12,8 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from ..federation.messages import Message
+from ..federation.messages import Message, Model
 from ..models import flatten_params, unflatten_params
-from ..training import Params
 from .base import ClientHandle
 
 Prox = Callable[[torch.Tensor], torch.Tensor]
@@ -141,14 +140,14 @@ class FPFCJoin:
     def join_message(self, rnd: int, step: int, cid: int) -> Message:
         """Step 0: the body only (the newcomer trains alone first); then its ζ against the trained
         devices (and the body). With ``join_start: fused`` the first ζ comes from θ = v = 0 rows."""
-        entries: Params = dict(self.body) if self.shared else {}
+        parts = {"body": Model(dict(self.body))} if self.shared else {}
         if step == 0:
-            return Message.of(entries, rho=self.hp.rho, local=True)
+            return Message.of(parts, rho=self.hp.rho, local=True)
         dev = self.W.device
         cols = torch.as_tensor(sorted(set(self.ctx.members) | {cid}), dtype=torch.long, device=dev)
         z = zeta(self.W, self.theta, self.v, torch.as_tensor([cid], device=dev), self.hp.rho, cols)[0]
-        entries.update(unflatten_params(z, self.template, self.clustered))
-        return Message.of(entries, rho=self.hp.rho)
+        parts["zeta"] = Model(unflatten_params(z, self.template, self.clustered))
+        return Message.of(parts, rho=self.hp.rho)
 
     def join_update(self, rnd: int, step: int, client: ClientHandle, msg: Message | None) -> Message:
         if msg.info.get("local"):
@@ -166,7 +165,7 @@ class FPFCJoin:
         cids = sorted(replies)
         idx = torch.as_tensor(cids, dtype=torch.long, device=self.W.device)
         old = self.W[idx].clone()
-        self.W[idx] = torch.stack([flatten_params(replies[c].tensors(), self.clustered) for c in cids])
+        self.W[idx] = torch.stack([flatten_params(replies[c].tensors("w"), self.clustered) for c in cids])
         self.n_seen[idx] = torch.tensor([float(replies[c].info.get("n", 1)) for c in cids],
                                         dtype=torch.float64, device=self.W.device)
         if step > 0 or self.hp.join_start == "upload":

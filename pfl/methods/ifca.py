@@ -34,7 +34,7 @@ import torch
 
 from ..aggregation import weighted_average
 from ..clusters import assignment_metrics, write_assignment_table
-from ..federation.messages import Message
+from ..federation.messages import Message, Model, Scalars
 from ..schema import hp
 from ..training import Params
 from . import register
@@ -59,16 +59,17 @@ class IFCAHparams:
                         "training-set size", choices=("uniform", "samples"))
 
 
-def _pack(models: Sequence[Params]) -> dict[str, torch.Tensor]:
-    return {f"{j}/{name}": t for j, m in enumerate(models) for name, t in m.items()}
+def _pack(models: Sequence[Params]) -> Message:
+    """The K cluster models, one Model part each (``cluster0``, ``cluster1``, ...)."""
+    return Message.of({f"cluster{j}": Model(dict(m)) for j, m in enumerate(models)})
 
 
-def _unpack(entries: dict[str, torch.Tensor], k: int) -> list[Params]:
-    models: list[Params] = [{} for _ in range(k)]
-    for key, t in entries.items():
-        j, _, name = key.partition("/")
-        models[int(j)][name] = t
-    return models
+def _unpack(msg: Message, k: int) -> list[Params]:
+    return [msg.tensors(f"cluster{j}") for j in range(k)]
+
+
+def _choice(msg: Message) -> int:
+    return int(msg.tensors("choice")["cluster"][0])
 
 
 @register
@@ -89,7 +90,7 @@ class IFCA(Method):
         self._labels: dict[int, int] | None = None  # every evaluated client's choice at the last evaluation
 
     def broadcast(self, rnd: int, cid: int) -> Message:
-        return Message.of(_pack(self.models))
+        return _pack(self.models)
 
     def _choose(self, client: ClientHandle, models: Sequence[Params]) -> int:
         d = client.data
@@ -97,41 +98,35 @@ class IFCA(Method):
         return int(np.argmin(losses))
 
     def local_update(self, rnd: int, client: ClientHandle, msg: Message | None) -> Message:
-        models = _unpack(msg.tensors(), self.hp.k)
+        models = _unpack(msg, self.hp.k)
         j = self._choose(client, models)
         result = client.train(models[j], rnd)
-        entries = dict(result.params)
-        entries["cluster"] = index_tensor(j, self.hp.k)
-        return Message.of(entries, train_loss=result.mean_loss, n=client.n_train)
-
-    def update_reference(self, rnd: int, received: Params | None, reply: Message) -> Params:
-        """Uplink compression: the trained model is an update of the cluster model it started from
-        (the index travels dense, so the server knows which)."""
-        if not received or "cluster" not in reply.entries:
-            return {}
-        j = int(reply["cluster"][0])
-        return {k: received[f"{j}/{k}"] for k in reply.entries if f"{j}/{k}" in received}
+        # the trained model is a change of the cluster model it started from (compression), and the
+        # choice travels as a control value (dense, never attacked)
+        return Message.of({"model": Model(result.params, base=f"cluster{j}"),
+                           "choice": Scalars({"cluster": index_tensor(j, self.hp.k)})},
+                          train_loss=result.mean_loss, n=client.n_train)
 
     def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
         groups: dict[int, list[Message]] = {}
         for reply in replies.values():
-            groups.setdefault(int(reply["cluster"][0]), []).append(reply)
+            groups.setdefault(_choice(reply), []).append(reply)
         names = list(self.models[0])
         for j, members in groups.items():
             weights = [r.info["n"] for r in members] if self.hp.weighting == "samples" else None
-            self.models[j] = weighted_average([r.tensors() for r in members], weights, names=names)
+            self.models[j] = weighted_average([r.tensors("model") for r in members], weights, names=names)
 
     # ---- evaluation: every client receives the K models, picks one and says which -----------------
     def eval_message(self, rnd: int, cid: int) -> Message:
-        return Message.of(_pack(self.models))
+        return _pack(self.models)
 
     def eval_plan(self, rnd: int, client: ClientHandle, msg: Message | None) -> EvalPlan:
-        models = _unpack(msg.tensors(), self.hp.k)
+        models = _unpack(msg, self.hp.k)
         j = self._choose(client, models)
-        return EvalPlan(models[j], reply=Message.of({"cluster": index_tensor(j, self.hp.k)}))
+        return EvalPlan(models[j], reply=Message.of({"choice": Scalars({"cluster": index_tensor(j, self.hp.k)})}))
 
     def eval_aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
-        self._labels = {cid: int(replies[cid]["cluster"][0]) for cid in sorted(replies)}
+        self._labels = {cid: _choice(replies[cid]) for cid in sorted(replies)}
 
     def extra_metrics(self, rnd: int, final: bool = False) -> dict[str, float]:
         if self._labels is None:

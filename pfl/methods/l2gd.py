@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..aggregation import weighted_average
-from ..federation.messages import Message
+from ..federation.messages import Message, Model
 from ..schema import ConfigError, hp
 from ..training import Params
 from . import register
@@ -99,14 +99,10 @@ class L2GD(Method):
         self.iterations = 0
         self.local_steps = 0
 
-    def broadcast(self, rnd: int, cid: int) -> Message | None:
-        if self.xbar is None:
-            return None
-        return Message.of(self.xbar, averaging_steps=self.counts(rnd - 1)[1], averaging_round=rnd - 1)
-
-    def update_reference(self, rnd: int, received: Params | None, reply: Message) -> Params:
-        """Uplink compression: the update of x̄ received this round (round 0: of x⁰, known to all)."""
-        return super().update_reference(rnd, received or self.init, reply)
+    def broadcast(self, rnd: int, cid: int) -> Message:
+        if self.xbar is None:  # round 0: x⁰ and no averaging, so every upload has the x̄ it started from
+            return Message.model(self.init, name="xbar", averaging_steps=0, averaging_round=0)
+        return Message.model(self.xbar, name="xbar", averaging_steps=self.counts(rnd - 1)[1], averaging_round=rnd - 1)
 
     def init_client(self, client: ClientHandle) -> None:
         client.state["x"] = {k: v.clone() for k, v in self.init.items()}
@@ -115,11 +111,12 @@ class L2GD(Method):
         x = client.state["x"]
         if msg is not None:
             before = int(msg.info["averaging_round"])
-            x = l2gd_average(x, msg.tensors(), self.gamma(before), int(msg.info["averaging_steps"]))
+            x = l2gd_average(x, msg.tensors("xbar"), self.gamma(before), int(msg.info["averaging_steps"]))
         steps, _ = self.counts(rnd)
         result = client.train(x, rnd, steps=steps)
         client.state["x"] = result.params
-        return Message.of(result.params, train_loss=result.mean_loss, n=client.n_train)
+        # x_i is the client's own model (only its local steps start from x̄'s averaging): its value
+        return Message.of({"x": Model(result.params, ref="xbar")}, train_loss=result.mean_loss, n=client.n_train)
 
     def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
         b, a = self.counts(rnd)
@@ -130,7 +127,8 @@ class L2GD(Method):
         uploads = {c: r.tensors() for c, r in replies.items()}
         if self.stale:
             self.x.update(uploads)
-            self.xbar = weighted_average([self.x.get(c, self.init) for c in range(self.ctx.num_clients)])
+            # x̄ is the mean over the training clients (newcomers join after training)
+            self.xbar = weighted_average([self.x.get(c, self.init) for c in self.ctx.members])
         else:
             self.xbar = weighted_average(list(uploads.values()))
 
@@ -140,7 +138,8 @@ class L2GD(Method):
     def eval_message(self, rnd: int, cid: int) -> Message | None:
         if self.xbar is None:
             return None
-        return Message.of(self.xbar, averaging_steps=self.counts(rnd)[1], averaging_round=rnd, **{GLOBAL: True})
+        return Message.model(self.xbar, name="xbar", averaging_steps=self.counts(rnd)[1], averaging_round=rnd,
+                             **{GLOBAL: True})
 
     def eval_plan(self, rnd: int, client: ClientHandle, msg: Message | None) -> EvalPlan:
         x = client.state["x"]

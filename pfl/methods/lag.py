@@ -26,7 +26,7 @@ import torch
 
 from ..aggregation import weighted_average
 from ..compression import decode_update, encode_update
-from ..federation.messages import Message
+from ..federation.messages import Message, Model, Scalars
 from ..schema import hp
 from ..training import Params
 from . import register
@@ -34,7 +34,6 @@ from .base import ClientHandle
 from .compressed import generators, uplink_compressor
 from .fedavg import FedAvg, FedAvgHparams
 
-THR = "lag/thr"
 SKIP = "skip"
 
 
@@ -64,6 +63,8 @@ class LAG(FedAvg):
     description = ("LAG: lazy aggregation — skip the upload (8 bits) when the update changed little "
                    "(Chen et al. 2018); global model; any compression.uplink")
     compresses_uplink = "any"
+    exact_downlink = ("a client skips by comparing its update with Δ̂_i, the last update the server stored, "
+                      "so both must compute updates from the same model")
 
     def configure(self) -> None:
         super().configure()
@@ -81,21 +82,21 @@ class LAG(FedAvg):
 
     def broadcast(self, rnd: int, cid: int) -> Message:
         thr = torch.tensor([self.threshold()], dtype=torch.float32)
-        return Message.of({**self.global_model, THR: thr})
+        return Message.of({"model": Model(self.global_model), "thr": Scalars({"thr": thr})})
 
     def local_update(self, rnd: int, client: ClientHandle, msg: Message | None) -> Message:
-        received = msg.tensors()
-        thr = float(received.pop(THR)[0])
+        received = msg.tensors("model")
+        thr = float(msg.tensors("thr")["thr"][0])
         result = client.train(self.start_params(client, received), rnd, **self.train_kwargs(client, received))
         info = {"train_loss": result.mean_loss, "n": client.n_train}
         delta = {k: result.params[k] - received[k] for k in received}
         last = client.state.get("last")
         if last is not None and sq_dist(delta, last) <= thr:
-            return Message({SKIP: torch.zeros(1, dtype=torch.uint8)}, info)
+            return Message.of({SKIP: Scalars({SKIP: torch.zeros(1, dtype=torch.uint8)})}, **info)
         entries, values = encode_update(self.compressor, result.params, received,
                                         generators(self.ctx, rnd, client.cid), self.min_numel)
         client.state["last"] = {k: values[k] - received[k] for k in received}
-        return Message(entries, info)
+        return Message.of({"model": Model(entries, base="model")}, **info)
 
     def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
         if not replies:
@@ -103,11 +104,11 @@ class LAG(FedAvg):
         x = self.global_model
         models, weights = [], []
         for cid, reply in replies.items():
-            if SKIP in reply.entries:
+            if SKIP in reply:
                 models.append({k: x[k] + self.last[cid][k] for k in x})
                 self.skips += 1
             else:
-                model = decode_update(reply.entries, x)
+                model = decode_update(reply["model"].entries, x)
                 self.last[cid] = {k: model[k] - x[k] for k in x}
                 models.append(model)
                 self.uploads += 1

@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass
 
 from ..compression import decode_update, encode_update
-from ..federation.messages import Message
+from ..federation.messages import Message, Update
 from ..schema import hp
 from ..training import Params, batch_gradient
 from . import register
@@ -58,6 +58,7 @@ class Marina(Method):
     description = ("MARINA: a shared coin between full gradients and compressed gradient differences "
                    "(Gorbunov et al. 2021); global model; every client every round; unbiased compression.uplink")
     compresses_uplink = "unbiased"
+    exact_downlink = "every client steps its own copy of x with the broadcast g^k, which must equal the server's x"
 
     def configure(self) -> None:
         require_full_participation(self.ctx, self.name, "every client keeps its copy of x and the coin's "
@@ -74,7 +75,7 @@ class Marina(Method):
     @property
     def step_factor(self) -> float:
         """1/(1 + √((1 − p)ω/(pN))): the theory's step relative to 1/L."""
-        p, n = self.prob, self.ctx.num_clients
+        p, n = self.prob, self.ctx.num_members
         return 1.0 / (1.0 + math.sqrt((1 - p) * self.omega / (p * n)))
 
     def step(self, rnd: int) -> float:
@@ -90,7 +91,7 @@ class Marina(Method):
         self.full_rounds = 0
 
     def broadcast(self, rnd: int, cid: int) -> Message | None:
-        return None if self.g is None else Message.of(self.g)
+        return None if self.g is None else Message.of({"g": Update(self.g)})
 
     def init_client(self, client: ClientHandle) -> None:
         client.state["x"] = {k: v.clone() for k, v in self.init.items()}
@@ -104,7 +105,7 @@ class Marina(Method):
     def local_update(self, rnd: int, client: ClientHandle, msg: Message | None) -> Message:
         x = client.state["x"]
         if msg is not None:
-            g = msg.tensors()
+            g = msg.tensors("g")
             gamma = self.step(rnd)
             x_new = {k: x[k] - gamma * g[k] for k in x}
         else:
@@ -113,12 +114,12 @@ class Marina(Method):
         info = {"n": client.n_train}
         if self.coin(rnd):
             grad, loss = self._grad(client, x_new, rnd, self.hp.sync_batch)
-            return Message(dict(grad), {**info, "train_loss": loss})
+            return Message.of({"g": Update(dict(grad))}, **info, train_loss=loss)
         new, loss = self._grad(client, x_new, rnd, self.ctx.cfg.federation.batch_size)
         old, _ = self._grad(client, x, rnd, self.ctx.cfg.federation.batch_size)
         entries, _ = encode_update(self.compressor, {k: new[k] - old[k] for k in new}, None,
                                    generators(self.ctx, rnd, client.cid), self.min_numel)
-        return Message(entries, {**info, "train_loss": loss})
+        return Message.of({"g": Update(entries)}, **info, train_loss=loss)
 
     def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
         if not replies:
@@ -126,7 +127,7 @@ class Marina(Method):
         if self.g is not None:
             gamma = self.step(rnd)
             self.x = {k: self.x[k] - gamma * self.g[k] for k in self.x}
-        mean = weighted_sum({c: decode_update(r.entries, None) for c, r in replies.items()},
+        mean = weighted_sum({c: decode_update(r["g"].entries, None) for c, r in replies.items()},
                             reply_weights(replies, self.hp.weighting))
         if self.coin(rnd):
             self.g = mean

@@ -53,7 +53,7 @@ import torch
 
 from ..aggregation import weighted_average
 from ..clusters import assignment_metrics, relabel, write_assignment_table
-from ..federation.messages import Message
+from ..federation.messages import Message, State
 from ..schema import hp
 from ..training import Params
 from . import register
@@ -149,15 +149,16 @@ class PACFL(Method):
     def broadcast(self, rnd: int, cid: int) -> Message:
         if cid not in self.labels:
             return Message.of({}, send_basis=True)
-        return Message.of(self.models[self.labels[cid]])
+        return Message.model(self.models[self.labels[cid]])
 
     def local_update(self, rnd: int, client: ClientHandle, msg: Message | None) -> Message:
         d = client.data
         if msg.info.get("send_basis"):
             y = d.y_train if self.ctx.meta.task == "classification" else None
-            return Message.of({"basis": data_basis(d.x_train, y, self.hp.n_basis)}, n=client.n_train)
+            basis = data_basis(d.x_train, y, self.hp.n_basis)
+            return Message.of({"basis": State({"basis": basis})}, n=client.n_train)
         result = client.train(msg.tensors(), rnd)
-        return Message.of(result.params, train_loss=result.mean_loss, n=client.n_train)
+        return Message.model(result.params, base="model", train_loss=result.mean_loss, n=client.n_train)
 
     def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
         groups: dict[int, list[Message]] = {}
@@ -165,7 +166,7 @@ class PACFL(Method):
         for cid, reply in replies.items():
             self.n[cid] = reply.info["n"]
             if "basis" in reply:
-                new[cid] = reply["basis"]
+                new[cid] = reply.tensors("basis")["basis"]
             else:
                 groups.setdefault(self.labels[cid], []).append(reply)
         for c, members in groups.items():
@@ -205,7 +206,7 @@ class PACFL(Method):
     def eval_message(self, rnd: int, cid: int) -> Message | None:
         """Its cluster's model; nothing for a client without a basis yet (it uses θ^0)."""
         c = self.labels.get(cid)
-        return None if c is None else Message.of(self.models[c])
+        return None if c is None else Message.model(self.models[c])
 
     def personal_params(self, rnd: int, client: ClientHandle, received: Params | None) -> Params:
         return self.init if received is None else received
@@ -257,7 +258,8 @@ class PACFL(Method):
             return
         for cid, reply in sorted(replies.items()):
             self.n[cid] = reply.info["n"]
-            angles = proximity([reply["basis"]], [self.bases[c] for c in known], self.hp.angle)[0].double()
+            basis = reply.tensors("basis")["basis"]
+            angles = proximity([basis], [self.bases[c] for c in known], self.hp.angle)[0].double()
             best, best_d = None, float("inf")
             for c in range(len(self.models)):
                 d = angles[[k for k, member in enumerate(known) if self.labels[member] == c]]

@@ -63,7 +63,7 @@ class PartialSharing(FedAvg):
         return client.state.get("own", self.init_own)
 
     def broadcast(self, rnd: int, cid: int) -> Message:
-        return Message.of({k: self.global_model[k] for k in self.shared})
+        return Message.model({k: self.global_model[k] for k in self.shared})
 
     def start_params(self, client: ClientHandle, received: Params) -> Params:
         """The model local training starts from: the received shared part + the client's own part."""
@@ -77,7 +77,7 @@ class PartialSharing(FedAvg):
         received = msg.tensors()
         result = self.local_train(rnd, client, self.start_params(client, received))
         client.state["own"] = {k: result.params[k] for k in self.own_names}
-        return Message.of({k: result.params[k] for k in self.shared}, train_loss=result.mean_loss,
+        return Message.model({k: result.params[k] for k in self.shared}, base="model", train_loss=result.mean_loss,
                           n=client.n_train)
 
     def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
@@ -94,7 +94,7 @@ class PartialSharing(FedAvg):
 
     def eval_message(self, rnd: int, cid: int) -> Message:
         """The shared part a client is evaluated with (the one it would receive next)."""
-        return Message.of({k: self.global_model[k] for k in self.shared})
+        return Message.model({k: self.global_model[k] for k in self.shared})
 
     def personal_params(self, rnd: int, client: ClientHandle, received: Params | None) -> Params:
         own = self.own(client)
@@ -156,7 +156,7 @@ class LGFedAvg(FineTuneNewcomers, PartialSharing):
         if self._full(rnd, cid):
             if rnd >= self.hp.warmup_rounds:
                 self.synced.add(cid)
-            return Message.of(dict(self.global_model))
+            return Message.model(dict(self.global_model))
         return super().broadcast(rnd, cid)
 
     def local_update(self, rnd: int, client: ClientHandle, msg: Message | None) -> Message:
@@ -165,7 +165,7 @@ class LGFedAvg(FineTuneNewcomers, PartialSharing):
         # warm-up: FedAvg on the whole model; the client adopts the trained body as its own
         result = client.train(msg.tensors(), rnd)
         client.state["own"] = {k: result.params[k] for k in self.own_names}
-        return Message.of(result.params, train_loss=result.mean_loss, n=client.n_train)
+        return Message.model(result.params, base="model", train_loss=result.mean_loss, n=client.n_train)
 
     def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
         if rnd < self.hp.warmup_rounds:

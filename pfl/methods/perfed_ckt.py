@@ -20,17 +20,21 @@ Decisions where the spec is [DESIGN] or silent (the paper body was not recoverab
   replacement) per private SGD step, drawn by the client's own generator with tag ``public`` so the
   private batch order is exactly Local's.
 * λ = 0, or no centroid received (first participation, ``warmup_rounds``): the step is plain CE
-  (the extra term is not even built), so λ = 0 reproduces Local bit for bit when the architecture
-  list is the run's model: every architecture is initialised once with ``ctx.init_params(model=m)``
-  (no per-client parts), which for ``cfg.model`` is exactly Local's start. At λ = 0 logits are still
-  uploaded and clustered (so the cluster metrics of pure local models can be compared), which costs
-  the same bytes as λ > 0.
-* Architectures: ``architectures`` is a list small → large (``"name"`` or ``{name, params}``); empty =
-  auto: image-shaped data → [cnn_fpfc, mlp, cnn_fedavg] (6.6 k / 199 k / 582 k parameters on
-  28×28), else the run's model alone. Assignment per docs/methods/perfed_ckt.md §6: score_k = n_k·u_k, u_k ~ U(0,1) from
+  (the extra term is not even built), so λ = 0 reproduces Local bit for bit: every architecture is
+  initialised once with ``ctx.init_params(model=m)`` (no per-client parts), which for ``cfg.model``
+  is exactly Local's start. At λ = 0 logits are still uploaded and clustered (so the cluster
+  metrics of pure local models can be compared), which costs the same bytes as λ > 0.
+* Architectures: ``architectures`` is a list small → large (``"name"`` or ``{name, params}``); empty
+  (default) = ``[model.name]`` with ``model.params``, the model Local and FedAvg use, so a
+  comparison with them is like for like. Heterogeneous models are opt-in (e.g. [cnn_fpfc, mlp,
+  cnn_fedavg]: 6.6 k / 199 k / 582 k parameters on 28×28); compare them with Local on the same mix
+  (this method at λ = 0). Assignment per docs/methods/perfed_ckt.md §6: score_k = n_k·u_k, u_k ~ U(0,1) from
   ``ctx.rng("arch")``, clients sorted by score and cut into A near-equal groups, the highest-score
   group gets the last (largest) model. The assignment models an exogenous device property, so the
   server may use the clients' sample counts for it at setup (nothing else of a client is read).
+* The public set (pfl/methods/public_set.py) is disjoint from every client's data by default, the
+  samples left unused by ``data.max_samples``; ``ckt/public_overlap`` logs the rows it shares with
+  client data (a warning when that cannot be zero).
 * Public rows per round (``public_per_round`` N_t < N): a sorted random subset seeded by
   (seed, round, "public_rows"), known to both sides without sending indices. The server stores a
   full N×C matrix per client with NaN for rows it has not received yet. k-means sees each matrix
@@ -46,7 +50,8 @@ Decisions where the spec is [DESIGN] or silent (the paper body was not recoverab
 * ``logit_dtype=fp16`` halves both directions; the server stores the fp16-rounded values as fp32.
 * Metrics over the clients that have uploaded at least once: ``cluster/num``, ``cluster/ari`` (vs
   the partition's true clusters), ``cluster/ari_arch`` (vs architecture ids), ``cluster/size_max``,
-  ``cluster/size_min``, ``cluster/singletons``, ``ckt/stored``, ``ckt/public_rows``.
+  ``cluster/size_min``, ``cluster/singletons``, ``ckt/stored``, ``ckt/public_rows``,
+  ``ckt/public_overlap``.
 * There is no global model (``global_params`` is None, so ``global/*`` is not logged).
 """
 
@@ -64,7 +69,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from ..federation.context import derive_seed
-from ..federation.messages import Message
+from ..federation.messages import Logits, Message
 from ..schema import ConfigError, hp
 from ..training import Params
 from . import register
@@ -72,7 +77,6 @@ from .base import ClientHandle, Method
 from .public_set import SAME_HELDOUT, build_public_set, check_public_source
 
 REGS = ("kl", "mse_logits", "mse_probs")
-AUTO_IMAGE_ARCHS = ("cnn_fpfc", "mlp", "cnn_fedavg")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
 
@@ -80,7 +84,8 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 class PerFedCKTHparams:
     """PerFed-CKT: logits-only co-distillation towards the client's k-means cluster centroid."""
     k: int = hp(2, "number of clusters K (1 = unclustered co-distillation towards the mean)", low=1)
-    lam: float = hp(1.0, "weight λ of the distillation regulariser (0 = Local)", low=0.0)
+    lam: float = hp(0.1, "weight λ of the distillation regulariser (0 = Local; 0.1 from a sweep over seeds, "
+                    "docs/methods/perfed_ckt.md §8)", low=0.0)
     temperature: float = hp(1.0, "softmax temperature T of kl / mse_probs (and cluster_space=probs)",
                             low=0.0, low_open=True)
     reg: str = hp("kl", "regulariser ρ(student logits, centroid): T²·KL(teacher‖student), squared "
@@ -100,8 +105,8 @@ class PerFedCKTHparams:
     public_size: int = hp(2000, "public set size N (capped at the pool size)", low=1)
     public_per_round: int = hp(0, "public rows N_t used (and sent) per round (0 = all N)", low=0)
     architectures: list = hp(default_factory=list,
-                             doc="client models small → large: names or {name, params}; [] = auto "
-                                 "(images: cnn_fpfc, mlp, cnn_fedavg; else model.name)")
+                             doc="client models small → large: names or {name, params}; [] = model.name "
+                                 "(the model Local and FedAvg use; mixed models are opt-in)")
 
     def validate(self, path: str) -> None:
         from ..models import model_spec
@@ -138,14 +143,11 @@ class Architecture:
         return self.name + (f"{self.params}" if self.params else "")
 
 
-def parse_architectures(hparams: PerFedCKTHparams, cfg: Any, input_shape: tuple[int, ...]) -> list[Architecture]:
+def parse_architectures(hparams: PerFedCKTHparams, cfg: Any) -> list[Architecture]:
     if hparams.architectures:
         return [Architecture(a) if isinstance(a, str) else Architecture(a["name"], dict(a.get("params") or {}))
                 for a in hparams.architectures]
-    is_image = len(input_shape) == 3 or (len(input_shape) == 1 and int(np.sqrt(input_shape[0])) ** 2 == input_shape[0])
-    if is_image:
-        return [Architecture(n) for n in AUTO_IMAGE_ARCHS]
-    return [Architecture(cfg.model.name, dict(cfg.model.params))]
+    return [Architecture(cfg.model.name, dict(cfg.model.params or {}))]
 
 
 def assign_architectures(n_train: np.ndarray, num_archs: int,
@@ -195,8 +197,8 @@ class PerFedCKT(Method):
     attackable_uplink = False
     uplink_note = "it uploads public-set logits"
     cohort = "sequential"
-    metric_names = ("ckt/public_rows", "ckt/stored", "cluster/num", "cluster/ari", "cluster/ari_arch",
-                    "cluster/size_max", "cluster/size_min", "cluster/singletons")
+    metric_names = ("ckt/public_rows", "ckt/public_overlap", "ckt/stored", "cluster/num", "cluster/ari",
+                    "cluster/ari_arch", "cluster/size_max", "cluster/size_min", "cluster/singletons")
 
     # ---- setup -------------------------------------------------------------------------------
     def configure(self) -> None:
@@ -205,7 +207,7 @@ class PerFedCKT(Method):
         ctx, data = self.ctx, self.ctx.meta
         if data.task != "classification":
             raise ConfigError("method.name", "perfed_ckt needs a classification task (it distils class logits)")
-        self.archs = parse_architectures(self.hp, ctx.cfg, tuple(data.input_shape))
+        self.archs = parse_architectures(self.hp, ctx.cfg)
         self.arch_models: list[torch.nn.Module] = []
         self.arch_init: list[Params] = []
         for i, arch in enumerate(self.archs):
@@ -254,13 +256,14 @@ class PerFedCKT(Method):
             return None
         rows = self.rows(rnd)
         if self.hp.downlink == "all_centroids":
-            return Message.of({"centroids": self.centroids[:, rows].to(self.wire_dtype)})
-        return Message.of({"centroid": self.centroids[int(self.assign[cid]), rows].to(self.wire_dtype)})
+            return Message.of({"centroids": Logits({"centroids": self.centroids[:, rows].to(self.wire_dtype)})})
+        own = self.centroids[int(self.assign[cid]), rows].to(self.wire_dtype)
+        return Message.of({"centroid": Logits({"centroid": own})})
 
     def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
         rows = self.rows(rnd)
         for cid, msg in replies.items():
-            self.logits[cid, rows] = msg.tensors()["logits"].to(self.logits.dtype)
+            self.logits[cid, rows] = msg.tensors("logits")["logits"].to(self.logits.dtype)
             self.known[cid] = True
         if replies:
             self.recluster(rnd)
@@ -308,8 +311,8 @@ class PerFedCKT(Method):
         if msg is None:
             return None
         if "centroid" in msg:
-            return msg.tensors()["centroid"].float()
-        cents = msg.tensors()["centroids"].float()                        # (K, N_t, C)
+            return msg.tensors("centroid")["centroid"].float()
+        cents = msg.tensors("centroids")["centroids"].float()                        # (K, N_t, C)
         own = self._public_logits(client, client.state["params"], self.public.x[rows])
         valid = torch.isfinite(cents).all(dim=0).all(dim=1)
         space, t = self.hp.cluster_space, self.hp.temperature
@@ -343,7 +346,8 @@ class PerFedCKT(Method):
         client.state["params"] = result.params
         client.state["train_loss"] = result.mean_loss
         logits = self._public_logits(client, result.params, x_pub)
-        return Message.of({"logits": logits.to(self.wire_dtype)}, n=client.n_train, train_loss=result.mean_loss)
+        return Message.of({"logits": Logits({"logits": logits.to(self.wire_dtype)})}, n=client.n_train,
+                          train_loss=result.mean_loss)
 
     def personal_params(self, rnd: int, client: ClientHandle, received: Params | None) -> Params:
         return client.state["params"]
@@ -354,7 +358,8 @@ class PerFedCKT(Method):
 
         from ..clusters import cluster_metrics
 
-        out = {"ckt/public_rows": float(self.n_rows), "ckt/stored": float(int(self.known.sum()))}
+        out = {"ckt/public_rows": float(self.n_rows), "ckt/public_overlap": float(self.public.overlap),
+               "ckt/stored": float(int(self.known.sum()))}
         stored = torch.nonzero(self.known & (self.assign >= 0)).flatten().cpu().numpy()
         if len(stored) == 0:
             return out

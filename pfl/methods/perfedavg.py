@@ -144,7 +144,7 @@ class PerFedAvg(FineTuneNewcomers, FedAvg):
 
         result = client.train(self.start_params(client, received), rnd, lr=beta, steps=self._steps(client),
                               grad_hook=meta_step)
-        return Message.of(result.params, train_loss=result.mean_loss, n=client.n_train)
+        return Message.model(result.params, base="model", train_loss=result.mean_loss, n=client.n_train)
 
     def personal_params(self, rnd: int, client: ClientHandle, received: Params | None) -> Params:
         # one adaptation step from the global model the evaluation message carried

@@ -89,7 +89,8 @@ class PFedMe(FedAvg):
             for k in w:
                 w[k].sub_(eta * lam * (w[k] - theta[k]))
         client.state["personal"] = theta
-        return Message.of(w, train_loss=float(np.mean(losses)) if losses else float("nan"), n=client.n_train)
+        loss = float(np.mean(losses)) if losses else float("nan")
+        return Message.model(w, base="model", train_loss=loss, n=client.n_train)
 
     def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
         if not replies:

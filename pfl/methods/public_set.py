@@ -5,17 +5,22 @@ and at every client (it is public data), so it is never sent as a message.
 
 Sources (``public_source``):
 
-* ``same_heldout`` (default): samples of the task's own source, labels dropped. When the
-  partition uses only a stratified subset of the pool (``data.max_samples``), the public rows are
-  drawn from the samples *no client holds* (the complement of that subset, recomputed with the
-  partition's own seeded subset draw). When the partition uses the whole pool (no
-  ``max_samples``, or a per-client source) there is no unused sample, so the rows are drawn from
-  the whole pool and may overlap client data; that overlap is accepted and reported
-  (``PublicSet.overlap``). Label swaps and rotations of clustered partitions are client-side
-  transforms and are not applied to public samples.
+* ``same_heldout`` (default): samples of the task's own source, labels dropped, drawn from the
+  samples *no client holds* — the pool left by the partition (``data.max_samples`` below the
+  pool's size leaves the rest unused; the partition is recomputed from the run's own seeded draw,
+  or read from the partition cache, so "unused" means unused by any client's train, validation or
+  test split). When fewer unused samples are left than ``public_size`` the set is that smaller
+  disjoint pool (a warning says so). When the partition uses every sample (no ``max_samples``, or
+  a per-client source) the rows must come from client data: they are drawn from the whole pool and
+  the overlap is counted and warned about.
 * any registered pooled data source (``mnist``, ``cifar100``, ...) whose samples have the task's
   input shape: its whole pool, labels dropped (the paper's setting: CIFAR-100 images for a
-  CIFAR-10 task). Its default ``data.params`` are used unless it is the task's own source.
+  CIFAR-10 task). Its default ``data.params`` are used unless it is the task's own source (then it
+  is ``same_heldout``).
+
+``PublicSet.overlap`` is the number of public rows that are also some client's sample (train,
+validation or test), logged by PerFed-CKT as ``ckt/public_overlap``; 0 by default whenever
+``data.max_samples`` leaves samples unused.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ FIELD = "method.public_source"
 class PublicSet:
     x: torch.Tensor      # (N, *input_shape) float32 on the run's device
     source: str          # what it was drawn from
-    overlap: bool        # True when rows may also be client training data
+    overlap: int         # rows that are also a client's sample (train, validation or test)
     requested: int       # the configured size (N may be smaller when the pool is smaller)
 
     def __len__(self) -> int:
@@ -66,10 +71,26 @@ def check_public_source(name: str) -> None:
                                  f"{SAME_HELDOUT} or an image source")
 
 
+def client_pool_rows(ctx: "RunContext", src) -> np.ndarray:
+    """Sorted pool indices of every sample any client holds (train, validation, test), from the
+    run's partition (the cache when present, else recomputed with the run's seed)."""
+    from ..data.cache import cache_path, load_partition, partition_key
+    from ..data.partition import make_partition
+
+    data_cfg = ctx.cfg.data
+    part = None
+    if data_cfg.cache:
+        part = load_partition(cache_path(partition_key(data_cfg, ctx.seed)), len(src.y), data_cfg.num_clients)
+    if part is None:
+        part = make_partition(data_cfg, src, ctx.seed)
+    held = [np.asarray(idx, dtype=np.int64) for split in (part.train, part.val, part.test) for idx in split]
+    return np.unique(np.concatenate(held)) if held else np.zeros(0, dtype=np.int64)
+
+
 def build_public_set(ctx: "RunContext", source: str, size: int) -> PublicSet:
-    """The run's public set: ``size`` rows (fewer if the pool is smaller), seeded by the run seed."""
+    """The run's public set: ``size`` rows (fewer if the disjoint pool is smaller), seeded by the run
+    seed, disjoint from the clients' data whenever the partition leaves samples unused."""
     from ..data import source_spec
-    from ..data.partition import rng_for, stratified_subset
 
     data_cfg = ctx.cfg.data
     same = source in (SAME_HELDOUT, data_cfg.source)
@@ -82,24 +103,29 @@ def build_public_set(ctx: "RunContext", source: str, size: int) -> PublicSet:
         raise ConfigError(FIELD, f"public source {name!r} is not available: {err}") from None
     src = spec.load(params, data_cfg.num_clients)
     pool = np.arange(len(src.y))
-    overlap = True
-    if source == SAME_HELDOUT and src.devices is None and data_cfg.max_samples is not None \
-            and data_cfg.max_samples < len(pool):
-        # the partition's own subset draw (same seed and tag), so "unused" means unused
-        used = stratified_subset(src.y, data_cfg.max_samples, rng_for(ctx.seed, "pfl.data.subset"))
-        unused = np.setdiff1d(pool, used, assume_unique=True)
-        if len(unused) >= size:
-            pool, overlap = unused, False
+    held = np.zeros(0, dtype=np.int64)
+    if same:
+        held = pool if src.devices is not None else client_pool_rows(ctx, src)
+        unused = np.setdiff1d(pool, held, assume_unique=True)
+        if len(unused):
+            pool = unused
+            if len(unused) < size:
+                log.warning("public set: only %d samples of %s are held by no client; using %d instead of %d "
+                            "(method.public_size)", len(unused), name, len(unused), size)
+        else:
+            log.warning("public set: every sample of %s belongs to a client, so the public rows are client "
+                        "data (ckt/public_overlap > 0); set data.max_samples below the pool size (%d) or "
+                        "method.public_source to another source for a disjoint set", name, len(pool))
     n = min(size, len(pool))
-    if n < size:
+    if n < size and not same:
         log.warning("public set: %s has only %d samples; using %d instead of %d", name, len(pool), n, size)
     rows = np.sort(ctx.rng("public_set").choice(pool, size=n, replace=False))
     x = torch.from_numpy(src.rows(rows))
     if tuple(x.shape[1:]) != tuple(ctx.meta.input_shape):
         raise ConfigError(FIELD, f"public source {name!r} has samples of shape {tuple(x.shape[1:])}, the task "
                                  f"{data_cfg.source!r} needs {tuple(ctx.meta.input_shape)}")
-    return PublicSet(x=x.to(ctx.device), source=name if source != SAME_HELDOUT else SAME_HELDOUT,
-                     overlap=overlap, requested=size)
+    overlap = int(np.isin(rows, held).sum())
+    return PublicSet(x=x.to(ctx.device), source=SAME_HELDOUT if same else name, overlap=overlap, requested=size)
 
 
-__all__ = ["PublicSet", "SAME_HELDOUT", "build_public_set", "check_public_source"]
+__all__ = ["PublicSet", "SAME_HELDOUT", "build_public_set", "check_public_source", "client_pool_rows"]

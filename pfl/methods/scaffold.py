@@ -23,25 +23,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..aggregation import weighted_average, zeros_like
-from ..federation.messages import Message
+from ..federation.messages import Message, Model, State, Update
 from ..schema import hp
 from ..training import Params, Shift
 from . import register
 from .base import ClientHandle
 from .fedavg import FedAvg
-
-_THETA, _C = "theta/", "c/"
-_DY, _DC = "dy/", "dc/"
-
-
-def _prefixed(prefix: str, params: Params) -> Params:
-    return {prefix + k: v for k, v in params.items()}
-
-
-def _unprefixed(prefix: str, entries: dict) -> Params:
-    n = len(prefix)
-    return {k[n:]: v for k, v in entries.items() if k.startswith(prefix)}
-
 
 @dataclass
 class ScaffoldHparams:
@@ -61,11 +48,11 @@ class Scaffold(FedAvg):
         self.c: Params = zeros_like(self.global_model)
 
     def broadcast(self, rnd: int, cid: int) -> Message:
-        return Message.of({**_prefixed(_THETA, self.global_model), **_prefixed(_C, self.c)})
+        # the model and the server control variate: both kept by the client between rounds
+        return Message.of({"theta": Model(self.global_model), "c": State(self.c)})
 
     def local_update(self, rnd: int, client: ClientHandle, msg: Message | None) -> Message:
-        entries = msg.tensors()
-        theta, c = _unprefixed(_THETA, entries), _unprefixed(_C, entries)
+        theta, c = msg.tensors("theta"), msg.tensors("c")
         c_k = client.state.get("c")
         if c_k is None:
             c_k = zeros_like(theta)
@@ -78,16 +65,14 @@ class Scaffold(FedAvg):
         client.state["c"] = c_new
         dy = {k: y[k] - theta[k] for k in theta}
         dc = {k: c_new[k] - c_k[k] for k in theta}
-        return Message.of({**_prefixed(_DY, dy), **_prefixed(_DC, dc)},
-                          train_loss=result.mean_loss, n=client.n_train)
+        return Message.of({"dy": Update(dy), "dc": Update(dc)}, train_loss=result.mean_loss, n=client.n_train)
 
     def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
         if not replies:
             return
-        msgs = [r.tensors() for r in replies.values()]
-        mean_dy = weighted_average([_unprefixed(_DY, m) for m in msgs])
-        mean_dc = weighted_average([_unprefixed(_DC, m) for m in msgs])
+        mean_dy = weighted_average([r.tensors("dy") for r in replies.values()])
+        mean_dc = weighted_average([r.tensors("dc") for r in replies.values()])
         eta = self.hp.server_lr
-        share = len(msgs) / self.ctx.num_members  # (1/N)·Σ Δc = (|S|/N)·mean Δc
+        share = len(replies) / self.ctx.num_members  # (1/N)·Σ Δc = (|S|/N)·mean Δc
         self.global_model = {k: g + eta * mean_dy[k] for k, g in self.global_model.items()}
         self.c = {k: v + share * mean_dc[k] for k, v in self.c.items()}

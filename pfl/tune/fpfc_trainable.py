@@ -34,4 +34,6 @@ def fpfc_path_trainable(config: dict[str, Any], setup: dict[str, Any]) -> None:
     path = LambdaPath(settings, strategy)
     loop = run_trial(cfg, setup, steering=[path], until=math.inf)
     logger = next(cb for cb in loop.callbacks if cb.key == "mlflow")
-    logger.tracker.set_tags({"pfl.strategy": strategy, "pfl.selected_lambda": loop.summary["fpfc/selected_lambda"]})
+    logger.tracker.set_tags({"pfl.strategy": strategy})
+    if strategy == "warmup":  # a path selects its λ; a separate run only trains the one it was given
+        logger.tracker.set_tags({"pfl.selected_lambda": f"{loop.summary['fpfc/selected_lambda']:g}"})

@@ -334,14 +334,15 @@ class LambdaPath(Callback):
         stages = st.get("stages", [])
         playoff = st.get("playoff", [])
         summary = {
-            "fpfc/selected_lambda": final["lambda"], "fpfc/total_rounds": float(sim.executed),
+            "fpfc/total_rounds": float(sim.executed),
             "fpfc/path_stages": float(len(stages) or 1), "fpfc/lineage_rounds": float(sim.round),
             "fpfc/converged": final.get("converged", 0.0), "fpfc/final_rounds": final["rounds"],
             "fpfc/path_rounds": float(sum(s["rounds"] for s in stages)),
             "fpfc/playoff_total_rounds": float(sum(m["rounds"] for m in playoff)),
             "fpfc/budget_reached": float(sim.round >= self.settings.budget),
             "fpfc/trial_wall_s": st["wall_s"], "fpfc/compute_s": float(sim.elapsed), "fpfc/cpu_s": st["cpu_s"]}
-        if self.strategy == "warmup":
+        if self.strategy == "warmup":  # a separate run selects nothing: its λ is its param method.lam
+            summary["fpfc/selected_lambda"] = final["lambda"]
             summary["fpfc/grid_extended"] = float(st["extended"])
             summary["fpfc/decline_reached"] = float(st.get("best_index", 0) < len(stages) - 1)
         # the selected model itself, with the final read-out: every reported metric is this model's

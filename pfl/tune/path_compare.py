@@ -149,3 +149,46 @@ def verdict(warm: dict, sep: dict) -> str:
     return (f"warmup vs separate: λ {lam(warm)} vs {lam(sep)}, test acc {diff:+.2f} pt ({within}), "
             f"{rounds:.1f}× fewer rounds and {compute:.1f}× less compute to convergence, per (ρ, lr) setting "
             f"and seed, the (ρ, lr) search charged to neither.")
+
+
+def explanation(s, rows: list[dict], search: list[dict], walls: dict[str, float]) -> list[str]:
+    """How each strategy ran and how each figure was counted (printed under the tables and kept in
+    strategies.md); ``s``: the path settings, ``search``: the (ρ, lr) search trials' records."""
+    rule = (f"until convergence (the best validation score of its last {s.window} evaluations, one every "
+            f"{s.eval_every} rounds, at most {s.tolerance:g} above its best before them)")
+    lines = []
+    for r in rows:
+        if r["strategy"] == "warmup":
+            extend = f", extended past its end while validation still rose (at most {s.extend} λ)" if s.extend else ""
+            playoff = (f"the {s.finalists} best stages continued from their own states to equal lineage rounds (the "
+                       f"latest one's + {s.playoff_rounds}) and compared there; the best of them " if s.finalists > 1
+                       else "the best stage ")
+            order = " → ".join(f"{v:g}" for v in s.ordered())
+            lines.append(f"warmup: per seed one path through λ = {order}{extend}, "
+                         f"each stage {rule} or {s.stage_cap} rounds; {playoff}continued until convergence; no "
+                         f"lineage past {s.budget} rounds.")
+        else:
+            lines.append(f"separate: every λ the warm-up visited trained from scratch {rule}, at most {s.budget} "
+                         "rounds; the λ with the best final validation score selected.")
+    searched = sum(r["rounds"] for r in search)
+    lines.append("columns: val / test acc = mean over clients of each client's own model on its validation / test "
+                 "split, for the selected model (evaluated once more at the end, with the final read-out); clusters "
+                 "and ARI = that model's read-out (components of ‖θ_ij‖ < ν) against the true clusters.")
+    lines.append(
+        "counting: rounds = every round one side computed for one (ρ, lr) setting and seed (warm-up: its path, "
+        "playoff and final continuation; separate: every λ's run); compute s = the CPU seconds of those trials "
+        "(rounds and evaluations; on shared CPUs a round's wall time moves with the load, so the sweeps' wall times "
+        + ", ".join(f"{k} {v:.0f} s" for k, v in walls.items()) + " are not like for like); the (ρ, lr) search "
+        f"({len(search)} warm-up trial(s), {searched:.0f} rounds, the best of them the first seed's path) is charged "
+        "to neither side; ± = sample standard deviation over seeds, or with one seed the spread of the warm-up "
+        "search trials (other ρ, lr: more than seed noise). converged = models (warm-up: final models; separate: "
+        "every λ's run) that ended on the rule rather than at the budget.")
+    lines.append("per λ: rounds each λ trained until convergence, as a warm-started path stage and from scratch "
+                 "(the paper's Fig. 6 bars), mean over seeds.")
+    if len(rows) == 2 and rows[0]["rounds"] and rows[0]["compute_s"]:
+        lines.append(f"speedup (metrics speedup/rounds = {rows[1]['rounds'] / rows[0]['rounds']:.2f}, speedup/compute "
+                     f"= {rows[1]['compute_s'] / rows[0]['compute_s']:.2f}): the separate side's rounds (CPU seconds) "
+                     "over the warm-up side's, like for like: both for the chosen (ρ, lr) setting and per seed, every "
+                     "λ run of the grid against every path, playoff and continuation round; the search's paths "
+                     "(metrics search/paths, search/rounds) are in neither.")
+    return lines

@@ -70,3 +70,81 @@ def plot_path(stages: list[dict], path: Path, title: str = "", playoff: list[dic
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def _mean_by_lambda(records: list[dict], key: str) -> dict[float, float]:
+    groups: dict[float, list[float]] = {}
+    for r in records:
+        value = r.get(key, float("nan"))
+        if value == value:
+            groups.setdefault(float(r["lambda"]), []).append(float(value))
+    return {lam: sum(v) / len(v) for lam, v in sorted(groups.items())}
+
+
+def plot_selection(paths: list[dict], runs: list[dict], separate_selected: list[float], path: Path,
+                   score: str = "accuracy", playoff: list[dict] | None = None, title: str = "") -> Path:
+    """The λ choice of both strategies on one λ axis: validation and test score against λ (warm-up:
+    each path stage at its end, annotated with the rounds its lineage had trained by then; separate:
+    each λ trained from scratch), the selected λ of each marked, the playoff's matches (equal
+    rounds) as stars; below, #clusters and ARI against λ. Several seeds: means per λ.
+
+    ``paths``: warm-up path records (``selected_lambda``, ``stages`` of ``lambda``, ``val``,
+    ``test``, ``clusters``, ``ari``, ``lineage``); ``runs``: separate runs (``lambda``, ``val``,
+    ``test``, ``clusters``, ``ari``), as in :mod:`pfl.tune.path_compare`."""
+    from ..plots import plt
+
+    stages = [s for p in paths for s in p["stages"]]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7.6, 7.2), dpi=100, sharex=True,
+                                      gridspec_kw={"height_ratios": [3, 2]})
+    warm_c, sep_c = "C0", "C1"
+    series = [(stages, warm_c, "warm-up path stage", "o"), (runs, sep_c, "separate (from scratch)", "s")]
+    for records, color, who, marker in series:
+        if not records:
+            continue
+        for key, style, what in (("val", "-", "val"), ("test", ":", "test")):
+            points = _mean_by_lambda(records, key)
+            top.plot(list(points), list(points.values()), color=color, linestyle=style, marker=marker,
+                     markerfacecolor=color if key == "val" else "white", label=f"{who}: {what} {score}")
+    if stages:  # a later λ of the path had also trained longer: the rounds it had had at its end
+        val = _mean_by_lambda(stages, "val")
+        for lam, rounds in _mean_by_lambda(stages, "lineage").items():
+            top.annotate(f"{rounds:.0f} r", (lam, val[lam]), textcoords="offset points", xytext=(0, 8),
+                         ha="center", fontsize=8, color=warm_c)
+    if playoff:
+        rounds = max(float(m.get("lineage", 0)) for m in playoff)
+        top.scatter([m["lambda"] for m in playoff], [m.get("val", float("nan")) for m in playoff], marker="*",
+                    s=160, color="C3", zorder=4, label=f"playoff: val {score} at {rounds:.0f} rounds each")
+    chosen = [(sorted({float(p["selected_lambda"]) for p in paths}), warm_c, "warm-up"),
+              (sorted({float(v) for v in separate_selected}), sep_c, "separate")]
+    for lams, color, who in chosen:
+        for i, lam in enumerate(lams):
+            for ax in (top, bottom):
+                ax.axvline(lam, color=color, linestyle="--", alpha=0.7, linewidth=1.2,
+                           label=f"{who} selects λ = {', '.join(f'{v:g}' for v in lams)}" if ax is top and not i
+                           else None)
+    top.set_ylabel(score)
+    top.legend(fontsize=7, loc="best")
+    top.grid(alpha=0.3)
+    top.set_title(title or "λ selection: both strategies")
+    ari_ax = bottom.twinx()
+    for records, color, who, marker in series:
+        if not records:
+            continue
+        clusters = _mean_by_lambda(records, "clusters")
+        ari = _mean_by_lambda(records, "ari")
+        bottom.plot(list(clusters), list(clusters.values()), color=color, marker=marker, label=f"{who}: #clusters")
+        ari_ax.plot(list(ari), list(ari.values()), color=color, marker=marker, linestyle=":", markerfacecolor="white",
+                    label=f"{who}: ARI")
+    bottom.set_xlabel("λ")
+    bottom.set_ylabel("#clusters")
+    ari_ax.set_ylabel("ARI")
+    handles = [h + g for h, g in zip(bottom.get_legend_handles_labels(), ari_ax.get_legend_handles_labels())]
+    if handles[0]:
+        bottom.legend(*handles, fontsize=7, loc="best")
+    bottom.grid(alpha=0.3)
+    lams = sorted({float(r["lambda"]) for r in stages + runs})
+    bottom.set_xticks(lams, [f"{v:g}" for v in lams])
+    fig.tight_layout()
+    fig.savefig(path, metadata={"Title": title or "λ selection: both strategies"})
+    plt.close(fig)
+    return path

@@ -8,6 +8,9 @@ from typing import Any, Callable
 
 from .results import failure_reason
 
+# hyperparameters a label writes as the symbols the method notes use
+SYMBOLS = {"lam": "λ", "rho": "ρ"}
+
 
 def _short(value: Any) -> str:
     if isinstance(value, str):  # YAML reads 1.0e12 (no exponent sign) as a string; the config as a number
@@ -20,16 +23,15 @@ def _short(value: Any) -> str:
     return str(value)
 
 
-def trial_label(searched: dict[str, Any], prefix: str = "") -> str:
-    """``fedprox mu=0.043 lr=0.05``: the last part of each searched key (more where two would
-    collide) with its value."""
+def trial_label(searched: dict[str, Any], prefix: str = "", suffix: str = "") -> str:
+    """``fedprox mu=0.043 lr=0.05``, ``λ=0.6 separate``: the last part of each searched key (more
+    where two would collide; FPFC's λ and ρ as their symbols) with its value, between ``prefix``
+    and ``suffix``. MLflow cuts long nested names, so what tells trials apart goes first."""
     keys = list(searched)
-    tails = {k: k.rsplit(".", 1)[-1] for k in keys}
-    for k in keys:
-        if sum(t == tails[k] for t in tails.values()) > 1:
-            tails[k] = k
-    parts = [f"{tails[k]}={_short(searched[k])}" for k in keys]
-    return " ".join(p for p in [prefix, *parts] if p)
+    short = {k: k.rsplit(".", 1)[-1] for k in keys}
+    tails = {k: k if list(short.values()).count(short[k]) > 1 else short[k] for k in keys}
+    parts = [f"{SYMBOLS.get(tails[k], tails[k])}={_short(searched[k])}" for k in keys]
+    return " ".join(p for p in [prefix, *parts, suffix] if p)
 
 
 class ProgressLines:

@@ -80,15 +80,39 @@ def results_table(trials: list, searched: list[str], label: Callable[[dict], str
     return table
 
 
-def log_table(parent: Tracker, table: pd.DataFrame, out: Path, metric: str, title: str) -> None:
-    """The trial table as Parquet, CSV and HTML (previewable in MLflow), and every trial's curve."""
+def ranked(table: pd.DataFrame, metric: str, mode: str = "max", searched: list[str] | tuple = ()) -> pd.DataFrame:
+    """The trial table best first (finished trials by ``metric``, then the others), with the trial,
+    the metric and the searched hyperparameters as its first columns."""
+    if metric not in table:
+        return table
+    done = table["status"] == "OK" if "status" in table else pd.Series(True, index=table.index)
+    order = table.assign(_unfinished=~done).sort_values(["_unfinished", metric], ascending=[True, mode == "min"],
+                                                        na_position="last", kind="stable")
+    first = [c for c in ["trial", metric, *searched, "status"] if c in table]
+    return order[first + [c for c in table.columns if c not in first]].reset_index(drop=True)
+
+
+def display_value(value: Any) -> Any:
+    """A number as a person reads it: whole numbers without decimals, large ones rounded to the unit,
+    the rest to 4 significant digits (the Parquet table keeps full precision)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        return value
+    if float(value).is_integer() or abs(value) >= 1000:
+        return int(round(value))
+    return float(f"{value:.4g}")
+
+
+def log_table(parent: Tracker, table: pd.DataFrame, out: Path, metric: str, title: str, mode: str = "max",
+              searched: list[str] | tuple = ()) -> None:
+    """The trial table, best first, as Parquet (full precision), CSV and HTML (rounded, previewable
+    in MLflow), and every trial's curve in one plot: legend in the table's order, the best marked."""
     from ..plots import plot_curves  # matplotlib only when a sweep logs its table
 
-    
+    table = ranked(table, metric, mode, searched)
     table.to_parquet(out / "trials.parquet")
-    table.to_csv(out / "trials.csv", index=False)
-    (out / "trials.html").write_text(table.drop(columns=["mlflow_run_id"], errors="ignore")
-                                     .to_html(index=False, float_format=lambda v: f"{v:.4g}"))
+    shown = table.map(display_value)
+    shown.to_csv(out / "trials.csv", index=False)
+    (out / "trials.html").write_text(shown.drop(columns=["mlflow_run_id"], errors="ignore").to_html(index=False))
     for name in ("trials.parquet", "trials.csv", "trials.html"):
         parent.log_artifact(out / name)
     curves = {}
@@ -104,7 +128,10 @@ def log_table(parent: Tracker, table: pd.DataFrame, out: Path, metric: str, titl
             curves[str(row["trial"])] = ([m.step for m in history], [m.value for m in history])
     if curves:
         safe = metric.replace("/", "_")
-        parent.log_artifact(plot_curves(curves, out / f"trials_{safe}.png", ylabel=metric, title=title), "plots")
+        done = table[table["status"] == "OK"] if "status" in table else table
+        best = str(done.iloc[0]["trial"]) if len(done) and str(done.iloc[0]["trial"]) in curves else None
+        parent.log_artifact(plot_curves(curves, out / f"trials_{safe}.png", ylabel=metric, title=title, best=best),
+                            "plots")
 
 
 def expected_trials(space: SearchSpace, samples: int) -> int:
@@ -191,5 +218,5 @@ def kill_unfinished_children(parent_run_id: str | None) -> None:
         mc.set_terminated(run.info.run_id, status="KILLED")
 
 
-__all__ = ["MlflowStatusCallback", "SweepResult", "failure_reason", "kill_unfinished_children", "log_table",
-           "results_table", "saved_trials", "expected_trials"]
+__all__ = ["MlflowStatusCallback", "SweepResult", "display_value", "failure_reason", "kill_unfinished_children",
+           "log_table", "ranked", "results_table", "saved_trials", "expected_trials"]

@@ -219,3 +219,18 @@ def check_space(space: SearchSpace, raw: dict, extra_metrics: tuple[str, ...] = 
 
 def grid_size(space: SearchSpace) -> int:
     return math.prod(len(d.values or []) for d in space.distributions.values() if d.type == "grid") or 1
+
+
+def describe_search(space: SearchSpace) -> str:
+    """What a sweep searches, in words: ``method.rho ∈ {1, 1.5} (optuna)``."""
+    def values(dist: Distribution) -> str:
+        if dist.type in ("choice", "grid"):
+            return "{" + ", ".join(f"{v:g}" if isinstance(v, float) else str(v) for v in dist.values or []) + "}"
+        return f"{dist.type}[{dist.low:g}, {dist.high:g}]"
+
+    if not space.distributions:
+        return "nothing (one setting)"
+    parts = ", ".join(f"{k} ∈ {values(d)}" for k, d in space.distributions.items())
+    grid = space.searcher == "grid" or all(d.type == "grid" for d in space.distributions.values())
+    how = "a grid" if grid else space.searcher
+    return f"{parts} ({how})"

@@ -41,7 +41,7 @@ from .ray_session import init_ray
 from .runtime_env import worker_runtime_env
 from .results import (MlflowStatusCallback, SweepResult, expected_trials, kill_unfinished_children, log_table,
                       results_table, saved_trials)
-from .space import SearchSpace, base_config, check_space
+from .space import SearchSpace, base_config, check_space, describe_search
 from .trainable import federated_trainable
 
 log = logging.getLogger(__name__)
@@ -97,13 +97,19 @@ def run_sweep(space: SearchSpace, *, overrides: list[str] | None = None, smoke: 
               trainable: Callable | None = None, progress: Callable[[str], None] | None = print,
               parent_tags: dict[str, str] | None = None, setup_extra: dict[str, Any] | None = None,
               pipeline_run_id: str | None = None, extra_params: dict[str, Any] | None = None,
-              extra_metrics: tuple[str, ...] = (), label_prefix: str | None = None) -> SweepResult:
+              extra_metrics: tuple[str, ...] = (), label_prefix: str | None = None, label_suffix: str = "",
+              run_name: str | None = None, description: str | None = None,
+              steered: tuple[str, ...] = ()) -> SweepResult:
     """Run (or resume) one sweep; see the module docstring.
 
     ``trainable(config, setup)`` defaults to :func:`federated_trainable`; ``setup_extra`` is merged
     into the constants it receives. ``pipeline_run_id`` nests this sweep's MLflow run under a
     pipeline's run (trials are then grandchildren). ``label_prefix`` starts every trial's name
-    (default: the method's name).
+    (default: the method's name), ``label_suffix`` ends it. ``run_name`` names the sweep's MLflow
+    run (default ``name``, which also names its Ray experiment folder); ``description`` says what
+    it is for (default: the space's description), followed by what it searches. ``steered``: base
+    config keys the trainable sets itself (e.g. the λ path's λ and rounds), left out of the sweep's
+    ``base.*`` params so every param is one the trials ran.
     """
     from ray import tune
 
@@ -130,7 +136,7 @@ def run_sweep(space: SearchSpace, *, overrides: list[str] | None = None, smoke: 
 
     def label(config_or_trial) -> str:
         config = getattr(config_or_trial, "config", config_or_trial) or {}
-        return trial_label({k: config[k] for k in searched if k in config}, prefix)
+        return trial_label({k: config[k] for k in searched if k in config}, prefix, label_suffix)
 
     where = init_ray(address, runtime_env=shipped.runtime_env)
     if progress:
@@ -164,8 +170,8 @@ def run_sweep(space: SearchSpace, *, overrides: list[str] | None = None, smoke: 
     else:
         if resume and progress:
             progress(f"nothing to resume at {exp_path}; starting a new sweep")
-        parent = _open_parent(space, base_cfg, raw, name, samples, expected, smoke, pipeline_run_id, parent_tags,
-                              extra_params)
+        parent = _open_parent(space, base_cfg, raw, run_name or name, samples, expected, smoke, pipeline_run_id,
+                              parent_tags, extra_params, description, steered)
         setup = {**(setup_extra or {}), "base": raw, "parent_run_id": parent.run_id, "env": export_environment(),
                  "experiment": base_cfg.tracking.experiment, "cpus": res["cpu"],
                  "checkpoint_every": space.checkpoint_every}
@@ -185,7 +191,7 @@ def run_sweep(space: SearchSpace, *, overrides: list[str] | None = None, smoke: 
     state_path.write_text(json.dumps({**state, "wall_s": wall}))
     table = (results_table(saved_trials(exp_path), searched, label, parent.run_id) if grid is not None
              else pd.DataFrame())
-    result = _finish(space, table, searched, parent, exp_path, name, wall, expected,
+    result = _finish(space, table, searched, parent, exp_path, run_name or name, wall, expected,
                      interrupted=grid is None or bool(received), signals=received)
     lost = bool(result.reason) or any("TrackingStoreError" in r for r in result.failures.values())
     state_path.write_text(json.dumps({**json.loads(state_path.read_text()), "store_lost": lost}))
@@ -194,19 +200,26 @@ def run_sweep(space: SearchSpace, *, overrides: list[str] | None = None, smoke: 
 
 def _open_parent(space: SearchSpace, base_cfg, raw: dict, name: str, samples: int, expected: int, smoke: bool,
                  pipeline_run_id: str | None, parent_tags: dict[str, str] | None,
-                 extra_params: dict[str, Any] | None) -> Tracker:
-    """A new sweep's MLflow parent run, with the space and the base config as params."""
+                 extra_params: dict[str, Any] | None, description: str | None = None,
+                 steered: tuple[str, ...] = ()) -> Tracker:
+    """A new sweep's MLflow parent run: what it searches as its description, the space and the base
+    config as params (a searched or steered key's base value is not what the trials ran: left out)."""
+    about = (description or space.description or "").strip()
+    note = (f"{about.rstrip('.')}. " if about else "") + (
+        f"Searches {describe_search(space)}: {expected} trial{'s' * (expected != 1)}, metric {space.metric} "
+        f"({space.mode}); "
+        f"space file {space.path}.")
     parent = (Tracker.start(base_cfg.tracking.experiment, run_name=name, sweep=True,
                             parent_run_id=pipeline_run_id,
-                            tags={"pfl.kind": "sweep", "pfl.space": space.path,
-                                  "mlflow.note.content": f"Sweep of {space.path}: {space.description or ''} "
-                                                         f"{expected} trials, metric {space.metric} ({space.mode}).",
+                            tags={"pfl.kind": "sweep", "pfl.space": space.path, "mlflow.note.content": note,
                                   **(parent_tags or {})})
               if base_cfg.tracking.enabled else Tracker.disabled())
+    hidden = set(space.distributions) | set(steered)
     parent.log_params({"space": space.path, "metric": space.metric, "mode": space.mode,
                        "num_samples": samples, "searcher": space.searcher, "smoke": smoke,
                        **{f"search.{k}": json.dumps(vars(v)) for k, v in space.distributions.items()},
-                       **{f"base.{k}": v for k, v in flatten(raw).items()}, **(extra_params or {})})
+                       **{f"base.{k}": v for k, v in flatten(raw).items() if k not in hidden},
+                       **(extra_params or {})})
     return parent
 
 
@@ -278,7 +291,8 @@ def _close_parent(parent: Tracker, table: pd.DataFrame, out: Path, space: Search
                   best_metrics: dict[str, float], status: str) -> None:
     """The sweep's summary on its MLflow parent run, and the run's end."""
     if len(table):
-        log_table(parent, table, out, space.metric, f"{name}: {space.metric} of every trial")
+        log_table(parent, table, out, space.metric, f"{name}: {space.metric} of every trial", space.mode,
+                  list(space.distributions))
     parent.log_metrics({"sweep/trials": float(len(table)), "sweep/expected_trials": float(expected),
                         "sweep/finished": float(finished), "sweep/failed": float(len(failures)),
                         "sweep/wall_s": wall})
@@ -286,7 +300,12 @@ def _close_parent(parent: Tracker, table: pd.DataFrame, out: Path, space: Search
         # params cannot change, and a sweep is complete only once: tags hold the same best
         parent.log_params({f"best.{k}": v for k, v in best_config.items()})
         parent.set_tags({f"best.{k}": v for k, v in best_config.items()})
-        parent.log_metrics({f"best/{k}": v for k, v in best_metrics.items()})
+        # the best trial's metrics under the trials' own names: one column of the runs table
+        # compares the sweep with its trials (and a pipeline's run with its sweeps)
+        parent.log_metrics(best_metrics)
+        ok = table[table["status"] == "OK"]
+        best = ok.sort_values(space.metric, ascending=space.mode == "min").iloc[0]
+        parent.set_tags({"pfl.best_trial": str(best["trial"]), "pfl.best_run_id": str(best["mlflow_run_id"])})
     parent.set_tags({"pfl.status": status.lower()})
     if status == "INTERRUPTED":
         kill_unfinished_children(parent.run_id)

@@ -1,0 +1,405 @@
+"""The disk client store: per-client state in immutable segment files (:mod:`.records`), a
+client in memory only while it takes a step.
+
+The store's *index* is one int32 array per space (client states, each server-side memory): the
+segment holding each client's current record, −1 for none. Saved records wait in a write buffer
+(``flush_bytes``) and go to disk together as one new segment.
+
+**Fresh clients have no record.** A client without a record gets ``new_state(cid)`` (the method's
+``init_client``) when it is loaded, and a save that leaves a state bit for bit as it was loaded
+(its record, or the fresh state) writes nothing. So a 100,000-client population costs disk only
+for the clients whose state changed, and an evaluation pass over everyone writes nothing for a
+method whose evaluation does not change client state.
+
+**Snapshots and checkpoints are indexes.** Because segments are immutable, a snapshot is a copy
+of the index (:class:`DiskSnapshot`, 4 bytes per client), and a checkpoint is the index plus hard
+links (copies across file systems) to the segments it needs, in a folder next to the checkpoint
+file: only segments written since the previous checkpoint are linked; the ones no longer needed
+are removed after the checkpoint file is in place, so the last checkpoint stays whole. Segments
+that neither the index nor a live snapshot needs are deleted; when most of the bytes on disk are
+dead, the live records of sparse segments are rewritten into new ones (compaction).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import uuid
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from .records import SUFFIX, Packed, link_or_copy, pack, read_segment_index, unpack, write_segment
+from .state import checkpointable
+from .store import ClientStore, StoreError, memory_part
+
+log = logging.getLogger(__name__)
+
+DISK_FORMAT = 1
+
+
+# ---- snapshots and checkpoint parts ----------------------------------------------------------------
+
+@checkpointable
+@dataclass(eq=False)
+class DiskSnapshot:
+    """Every space's index when the snapshot was taken (segment numbers, −1: no record)."""
+    index: dict
+
+    def segments(self) -> set[int]:
+        return {int(s) for a in self.index.values() for s in np.unique(a) if s >= 0}
+
+
+def is_disk_part(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("store") == "disk"
+
+
+def segment_names(part: Any) -> set[str]:
+    """The segment files a checkpoint's client part needs (none for a memory store's part)."""
+    return set(part["segments"].values()) if is_disk_part(part) else set()
+
+
+def find_snapshots(obj: Any) -> list[DiskSnapshot]:
+    """Every :class:`DiskSnapshot` inside ``obj`` (a checkpoint's other parts)."""
+    if isinstance(obj, DiskSnapshot):
+        return [obj]
+    if isinstance(obj, dict):
+        return [s for v in obj.values() for s in find_snapshots(v)]
+    if isinstance(obj, (list, tuple)):
+        return [s for v in obj for s in find_snapshots(v)]
+    return []
+
+
+def _replace_snapshots(obj: Any, fn: Callable[[DiskSnapshot], Any]) -> Any:
+    if isinstance(obj, DiskSnapshot):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: _replace_snapshots(v, fn) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_replace_snapshots(v, fn) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_replace_snapshots(v, fn) for v in obj)
+    return obj
+
+
+def materialized(part: dict, directory: Path, extra: Any, new_state: Callable[[int], dict],
+                 device: torch.device) -> tuple[Any, Any]:
+    """A disk part (and the disk snapshots in ``extra``) as a memory store's parts."""
+    reader = DiskStore(directory, part["num_clients"], new_state, device, read_only=True)
+    reader.adopt(part, directory)
+
+    def as_memory(snap: DiskSnapshot | None = None) -> Any:
+        if snap is not None:
+            reader.restore(snap)
+        memories = reader.memories()
+        return reader.states() if not memories else {"states": reader.states(), "memories": memories}
+
+    extra = _replace_snapshots(extra, as_memory)
+    reader.restore(DiskSnapshot(part["index"]))
+    return as_memory(), extra
+
+
+# ---- the store -------------------------------------------------------------------------------------
+
+class DiskStore(ClientStore):
+    """Client states in segment files under ``base`` (see the module docstring)."""
+
+    kind = "disk"
+
+    def __init__(self, base: str | Path | None, num_clients: int, new_state: Callable[[int], dict],
+                 device: torch.device, flush_bytes: int = 64 * 2**20, read_only: bool = False):
+        self.num_clients = num_clients
+        self.new_state = new_state
+        self.device = torch.device(device)
+        self.flush_bytes = flush_bytes
+        self.token = uuid.uuid4().hex[:10]
+        if read_only:
+            self.root = Path(base)
+        else:
+            parent = Path(base or os.environ.get("PFL_STORE_DIR") or tempfile.gettempdir()).expanduser()
+            self.root = parent / f"pfl-store-{self.token}"
+        self.read_only = read_only
+        self.index: dict[str, np.ndarray] = {self.CLIENT: self._empty()}
+        self.names: list[str | None] = []            # segment number → file name (None: deleted)
+        self.counts: list[int] = []                  # segment number → records it holds
+        self.sizes: list[int] = []                   # segment number → bytes
+        self.pending: dict[tuple[str, int], Packed] = {}
+        self.pending_bytes = 0
+        self._indexes: OrderedDict[int, dict] = OrderedDict()   # parsed segment indexes (LRU)
+        self._snapshots: weakref.WeakSet[DiskSnapshot] = weakref.WeakSet()
+        self._opened = False
+        self._finalizer = None
+
+    def _empty(self) -> np.ndarray:
+        return np.full(self.num_clients, -1, dtype=np.int32)
+
+    def __len__(self) -> int:
+        return self.num_clients
+
+    # ---- the folder ------------------------------------------------------------------------------
+    def open(self) -> None:
+        if self._opened or self.read_only:
+            return
+        probe = self.root / ".probe"
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            probe.write_bytes(b"pfl")
+            probe.unlink()
+        except OSError as err:
+            raise StoreError(f"cannot write client states to {self.root}: {err.strerror or err} "
+                             "(federation.client_store_dir, or $PFL_STORE_DIR)") from err
+        self._finalizer = weakref.finalize(self, shutil.rmtree, str(self.root), True)
+        self._opened = True
+
+    def close(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()
+        self._opened = False
+
+    def path(self, num: int) -> Path:
+        return self.root / self.names[num]
+
+    # ---- one client --------------------------------------------------------------------------------
+    def _space(self, space: str) -> np.ndarray:
+        if space not in self.index:
+            self.index[space] = self._empty()
+        return self.index[space]
+
+    def _record(self, space: str, cid: int) -> Packed | None:
+        """Client ``cid``'s current record (the buffered one, or the one on disk), None: fresh."""
+        rec = self.pending.get((space, cid))
+        if rec is not None:
+            return rec
+        num = int(self._space(space)[cid])
+        if num < 0:
+            return None
+        offset, length, skeleton, descs = self._segment_index(num)[space][cid]
+        buf = bytearray(length)
+        try:
+            with open(self.path(num), "rb") as fh:
+                fh.seek(offset)
+                fh.readinto(buf)
+        except OSError as err:
+            raise StoreError(f"cannot read client states from {self.path(num)}: {err.strerror or err}") from err
+        return Packed(skeleton, descs, buf)
+
+    def _fresh(self, space: str, cid: int) -> dict:
+        return self.new_state(cid) if space == self.CLIENT else {}
+
+    def load(self, cid: int, space: str = ClientStore.CLIENT) -> dict:
+        rec = self._record(space, cid)
+        if rec is None:
+            return self._fresh(space, cid)
+        return unpack(rec, self.device, copy=(space, cid) in self.pending)
+
+    def save(self, cid: int, state: dict, space: str = ClientStore.CLIENT) -> None:
+        rec = pack(state)
+        before = self._record(space, cid)
+        if rec.same(before if before is not None else pack(self._fresh(space, cid))):
+            return  # unchanged: its record (or its fresh state) stands
+        old = self.pending.pop((space, cid), None)
+        self.pending_bytes -= len(old.blob) if old is not None else 0
+        self.pending[(space, cid)] = rec
+        self.pending_bytes += len(rec.blob)
+        if self.pending_bytes >= self.flush_bytes:
+            self.flush()
+
+    # ---- segments ----------------------------------------------------------------------------------
+    def _segment_index(self, num: int) -> dict:
+        idx = self._indexes.get(num)
+        if idx is None:
+            idx = read_segment_index(self.path(num))
+            self._indexes[num] = idx
+            while len(self._indexes) > 64:
+                self._indexes.popitem(last=False)
+        else:
+            self._indexes.move_to_end(num)
+        return idx
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        self._write_pending()
+        self._collect()
+        self._maybe_compact()
+
+    def _write_pending(self) -> None:
+        if self.read_only:
+            raise StoreError(f"{self.root} is read-only here")
+        self.open()
+        num = len(self.names)
+        name = f"seg-{self.token}-{num:06d}{SUFFIX}"
+        path = self.root / name
+        write_segment(path, self.pending)
+        self.names.append(name)
+        self.counts.append(len(self.pending))
+        self.sizes.append(path.stat().st_size)
+        for space, cid in self.pending:
+            self._space(space)[cid] = num
+        self.pending.clear()
+        self.pending_bytes = 0
+
+    def _live(self) -> np.ndarray:
+        """Live records per segment (the index's)."""
+        live = np.zeros(len(self.names), dtype=np.int64)
+        for arr in self.index.values():
+            used = arr[arr >= 0]
+            if used.size:
+                live += np.bincount(used, minlength=len(self.names))
+        return live
+
+    def _pinned(self) -> set[int]:
+        return set().union(*(s.segments() for s in list(self._snapshots)))
+
+    def _collect(self) -> None:
+        """Delete the segments neither the index nor a live snapshot needs."""
+        if self.read_only:
+            return
+        keep = set(np.flatnonzero(self._live()).tolist()) | self._pinned()
+        for num, name in enumerate(self.names):
+            if name is not None and num not in keep:
+                (self.root / name).unlink(missing_ok=True)
+                self._indexes.pop(num, None)
+                self.names[num] = None
+
+    def _maybe_compact(self, min_dead: int = 256 * 2**20) -> None:
+        """When dead records hold more bytes than live ones (and at least ``min_dead``), rewrite the
+        live records of the unpinned segments that are mostly dead, a write buffer at a time."""
+        live = self._live()
+        on = [i for i, n in enumerate(self.names) if n is not None]
+        frac = {i: live[i] / max(self.counts[i], 1) for i in on}
+        dead = sum(self.sizes[i] * (1 - frac[i]) for i in on)
+        if dead < max(min_dead, sum(self.sizes[i] * frac[i] for i in on)):
+            return
+        pinned = self._pinned()
+        victims = [i for i in on if frac[i] < 0.5 and i not in pinned]
+        log.info("client store: compacting %d segments (%.0f MB dead)", len(victims), dead / 2**20)
+        for num in victims:
+            for space, arr in self.index.items():
+                for cid in np.flatnonzero(arr == num).tolist():
+                    rec = self._record(space, cid)
+                    self.pending[(space, cid)] = rec
+                    self.pending_bytes += len(rec.blob)
+            if self.pending_bytes >= self.flush_bytes:
+                self._write_pending()
+        if self.pending:
+            self._write_pending()
+        self._collect()
+
+    # ---- snapshots and checkpoints -----------------------------------------------------------------
+    def snapshot(self) -> DiskSnapshot:
+        self.flush()
+        snap = DiskSnapshot({k: v.copy() for k, v in self.index.items()})
+        self._snapshots.add(snap)
+        return snap
+
+    def restore(self, snapshot: Any) -> None:
+        if not isinstance(snapshot, DiskSnapshot):  # a memory store's snapshot (a resumed run's)
+            self.replace(*memory_part(snapshot))
+            return
+        missing = [n for n in snapshot.segments() if n >= len(self.names) or self.names[n] is None]
+        if missing:
+            raise StoreError(f"a snapshot needs segments {missing} that {self.root} no longer has")
+        self.pending.clear()
+        self.pending_bytes = 0
+        self.index = {k: np.asarray(v, dtype=np.int32).copy() for k, v in snapshot.index.items()}
+        self._snapshots.add(snapshot)
+        self._collect()
+
+    def write_checkpoint(self, directory: Path, snapshots: Sequence[Any] = ()) -> dict:
+        self.flush()
+        needed = set(np.flatnonzero(self._live()).tolist())
+        for snap in snapshots:
+            if isinstance(snap, DiskSnapshot):
+                needed |= snap.segments()
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise StoreError(f"cannot write the checkpoint's client states to {directory}: "
+                             f"{err.strerror or err}") from err
+        for num in sorted(needed):
+            if not (directory / self.names[num]).exists():  # segment names are never reused
+                link_or_copy(self.path(num), directory / self.names[num])
+        return {"store": "disk", "format": DISK_FORMAT, "num_clients": self.num_clients,
+                "segments": {num: self.names[num] for num in sorted(needed)},
+                "next": len(self.names), "index": {k: v.copy() for k, v in self.index.items()}}
+
+    def adopt(self, part: dict, directory: Path) -> None:
+        """Take over a checkpoint's segments (linked into this store's folder) and index."""
+        if part.get("format") != DISK_FORMAT or int(part["num_clients"]) != self.num_clients:
+            raise StoreError(f"the client states in {directory} are for {part.get('num_clients')} clients "
+                             f"(format {part.get('format')}), this run has {self.num_clients}")
+        keep = set(part["segments"].values())
+        for name in self.names:  # this store's own segments the checkpoint does not have: stale now
+            if name is not None and name not in keep and not self.read_only:
+                (self.root / name).unlink(missing_ok=True)
+        self._indexes.clear()
+        self.token = uuid.uuid4().hex[:10]  # names of segments written from here on are new names
+        self.names = [None] * int(part["next"])
+        self.counts = [0] * len(self.names)
+        self.sizes = [0] * len(self.names)
+        if not self.read_only:
+            self.open()
+        for num, name in part["segments"].items():
+            src = directory / name
+            if not src.is_file():
+                raise StoreError(f"the checkpoint's client states are incomplete: {src} is missing")
+            if not self.read_only:
+                link_or_copy(src, self.root / name)
+            self.names[int(num)] = name
+            self.counts[int(num)] = sum(len(v) for v in self._segment_index(int(num)).values())
+            self.sizes[int(num)] = src.stat().st_size
+        self.pending.clear()
+        self.pending_bytes = 0
+        self.index = {k: np.asarray(v, dtype=np.int32).copy() for k, v in part["index"].items()}
+
+    def read_checkpoint(self, part: Any, directory: Path, extra: Any = None) -> None:
+        if not is_disk_part(part):
+            self.replace(*memory_part(part))
+            return
+        self.adopt(part, directory)
+        for snap in find_snapshots(extra):  # the λ path's finalists: their segments stay
+            self._snapshots.add(snap)
+
+    # ---- the whole population (inspection, tests, conversion) --------------------------------------
+    def states(self) -> list[dict]:
+        return [self.load(cid) for cid in range(self.num_clients)]
+
+    def memories(self) -> dict[str, dict[int, dict]]:
+        out = {}
+        for space, arr in self.index.items():
+            if space == self.CLIENT:
+                continue
+            cids = sorted(set(np.flatnonzero(arr >= 0).tolist()) | {c for s, c in self.pending if s == space})
+            entries = {cid: self.load(cid, space) for cid in cids}
+            entries = {cid: v for cid, v in entries.items() if v}
+            if entries:
+                out[space] = entries
+        return out
+
+    def replace(self, states: Sequence[dict], memories: dict | None = None) -> None:
+        self.pending.clear()
+        self.pending_bytes = 0
+        self.index = {self.CLIENT: self._empty()}
+        for cid, state in enumerate(states):
+            self.save(cid, state)
+        for space, entries in (memories or {}).items():
+            for cid, value in entries.items():
+                self.save(int(cid), value, space)
+        self.flush()
+        self._collect()
+
+    def disk_bytes(self) -> int:
+        """Bytes of this store's segment files."""
+        return sum(s for s, n in zip(self.sizes, self.names) if n is not None)
+
+
+__all__ = ["DISK_FORMAT", "DiskSnapshot", "DiskStore", "find_snapshots", "is_disk_part", "materialized",
+           "segment_names"]

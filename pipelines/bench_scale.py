@@ -1,0 +1,290 @@
+"""Benchmark: populations beyond memory — 1,000 to 100,000 clients on one machine.
+
+    python pipelines/bench_scale.py [--populations 1000 10000 100000] [--methods fedavg ditto]
+                                    [--rounds 10] [--repeats 3] [--budget-gb 2] [--full-eval]
+                                    [--store-dir DIR] [--no-track]
+
+Each row is one run in a fresh process: the ``crowd`` source (``pfl.data.crowd``: synthetic, no
+download; 40 samples a client, 256 features, Dirichlet(0.5) label mixes, a feature shift per
+client), an MLP with one hidden layer of 128 (34,186 parameters: Ditto's personal model is
+137 kB), 100 clients a round, one local epoch, ``federation.client_store: auto`` with a budget of
+``--budget-gb`` (plus a ``disk`` row at the smallest population, so both stores are timed on the same
+clients). Measured in the child:
+
+* **start-up s**: from the child's first line (before importing torch and pfl) until the simulator
+  is built: imports, the population's labels and partition (the partition cache empty), the model
+  (``sim_s`` in the CSV: the simulator's part, without the imports);
+* **s/round**: mean wall time of training rounds 2..R (round 1 is a warm-up), no evaluation;
+  **CPU s/round**: the process's CPU time over the same rounds (``time.process_time``: on a shared
+  machine the wall time moves with the other jobs' load, the CPU time much less; waits on the disk
+  are in the wall time only);
+* **eval s**: one evaluation of ``federation.eval_clients`` = 1,000 clients (the same sample at
+  every population);
+* **ckpt s**: the first checkpoint after R rounds, then the next one after one more round (a disk
+  store links only the new segments); **ckpt MB**: the checkpoint file and its segment folder;
+* **store MB**: the disk store's segment files; **stored**: clients with a record;
+* **peak RSS**: the process's peak resident set (``ru_maxrss``; the largest of the repeats, the
+  first of which has the full evaluation), **base RSS** the resident set after the imports;
+* with ``--full-eval``, **full eval s**: the final evaluation, every client.
+
+Each row runs ``--repeats`` times, all rows in turn before the next repeat, and the table shows
+medians (``round_s_runs`` in the CSV: every run's s/round); the full evaluation is timed in the first
+repeat only. The load average of the machine is read before and after each run and the table shows
+its range (the machine is shared: times are noisy under load; compare rows of one table).
+
+FPFC is not run: its server keeps θ and v, two dense (m, m, p) tensors, so with this model
+(p = 34,186) it needs 2·m²·p·4 bytes — 2.7 GB at m = 100, 273 GB at m = 1,000 — and stops at
+m ≈ 125 on a 4 GiB budget (m ≈ 450 with softmax regression); the table says so.
+
+Prints the table, logs it (CSV, Markdown) and a plot (s/round, peak RSS, start-up and checkpoint
+time against the population) to an MLflow run ``bench_scale``. The goals (issue 27): s/round at
+100k within 1.3× of 1k; peak RSS at 100k ≤ 4 GiB with per-client personal models; start-up ≤ 30 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+FEATURES, HIDDEN, CLASSES = 256, 128, 10
+PARAMS = FEATURES * HIDDEN + HIDDEN + HIDDEN * CLASSES + CLASSES
+
+
+def child(spec: dict) -> dict:
+    """One row, measured in this (fresh) process."""
+    import resource
+
+    t0 = time.perf_counter()
+    base_load = os.getloadavg()[0]
+    from pfl.federation.checkpoint import clients_dir, save_checkpoint
+    from pfl.federation.simulator import Simulator
+    from pfl.resolver import load
+
+    base_rss = rss_mib()
+    cfg = load(None, {
+        "data.source": "crowd", "data.num_clients": spec["clients"], "data.params.num_features": FEATURES,
+        "data.cache": False, "method.name": spec["method"], "model.name": "mlp", "model.params.hidden": [HIDDEN],
+        "federation.clients_per_round": 100, "federation.rounds": spec["rounds"] + 10,
+        "federation.eval_every": 10**6, "federation.local_epochs": 1, "federation.lr": 0.05,
+        "federation.client_store": spec["store"], "federation.client_memory_gb": spec["budget_gb"],
+        "federation.client_store_dir": spec["store_dir"], "federation.eval_clients": 1000,
+        "tracking.enabled": False})
+    t_cfg = time.perf_counter()
+    sim = Simulator(cfg)
+    startup = time.perf_counter() - t0
+    rounds, cpu = [], []
+    for _ in range(spec["rounds"]):
+        start, start_cpu = time.perf_counter(), time.process_time()
+        sim.run_round(evaluate=False)
+        rounds.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
+    start = time.perf_counter()
+    metrics = sim.evaluate()
+    eval_s = time.perf_counter() - start
+    ckpt = Path(spec["ckpt_dir"]) / "ckpt.pt"
+    start = time.perf_counter()
+    save_checkpoint(sim, ckpt)
+    ckpt_first = time.perf_counter() - start
+    sim.run_round(evaluate=False)
+    start = time.perf_counter()
+    save_checkpoint(sim, ckpt)
+    ckpt_next = time.perf_counter() - start
+    out = {
+        "startup_s": startup, "sim_s": startup - (t_cfg - t0),
+        "round_s": statistics.mean(rounds[1:]) if len(rounds) > 1 else rounds[0],
+        "round_cpu_s": statistics.mean(cpu[1:]) if len(cpu) > 1 else cpu[0],
+        "rounds_s": [round(r, 3) for r in rounds], "eval_s": eval_s, "eval_acc": metrics.get("test/acc_mean"),
+        "ckpt_first_s": ckpt_first, "ckpt_next_s": ckpt_next, "ckpt_mb": du(ckpt) + du(clients_dir(ckpt)),
+        "store": sim.store.kind, "store_mb": du(sim.store.root) if sim.store.kind == "disk" else 0.0,
+        "stored": int((sim.store.index["client"] >= 0).sum()) if sim.store.kind == "disk" else sim.num_clients,
+        "built": getattr(sim.data.clients, "built", sim.num_clients), "base_rss_mib": base_rss,
+        "load_before": base_load,
+    }
+    if spec["full_eval"]:
+        start = time.perf_counter()
+        sim.evaluate(final=True)
+        out["full_eval_s"] = time.perf_counter() - start
+    out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    out["load_after"] = os.getloadavg()[0]
+    return out
+
+
+def rss_mib() -> float:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def du(path: Path) -> float:
+    """MB of the files at ``path`` (each inode once)."""
+    path = Path(path)
+    files = [path] if path.is_file() else list(path.rglob("*")) if path.exists() else []
+    seen, total = set(), 0
+    for f in files:
+        st = f.stat()
+        if f.is_file() and st.st_ino not in seen:
+            seen.add(st.st_ino)
+            total += st.st_size
+    return total / 1e6
+
+
+def measure(spec: dict) -> dict:
+    """``spec`` run in a fresh process (its own peak memory, its own imports)."""
+    with tempfile.TemporaryDirectory(dir=spec["work"]) as tmp:
+        spec = dict(spec, ckpt_dir=tmp, store_dir=spec["store_dir"] or tmp)
+        proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if proc.returncode != 0:
+        raise RuntimeError(f"{spec['method']} at {spec['clients']} clients failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def fpfc_gb(m: int) -> float:
+    return 2 * m * m * PARAMS * 4 / 1e9
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| method | clients | store | start-up s | s/round | x 1k | eval s (1k) | full eval s "
+            "| ckpt s (first, next) | ckpt MB | store MB | stored | peak RSS MiB | load |")
+    head = head.replace("| x 1k |", "| x 1k | CPU s/round | CPU x 1k |")
+    lines = [head, "|" + "|".join("---" for _ in range(head.count("|") - 1)) + "|"]
+    for r in rows:
+        if r.get("skipped"):
+            lines.append(f"| {r['method']} | {r['clients']:,} | — | not run: {r['skipped']} |" + " |" * 12)
+            continue
+        full = f"{r['full_eval_s']:.0f}" if "full_eval_s" in r else "—"
+        lines.append(
+            f"| {r['method']} | {r['clients']:,} | {r['store']} | {r['startup_s']:.1f} | {r['round_s']:.2f} | "
+            f"{r.get('x_1k', float('nan')):.2f} | {r['round_cpu_s']:.2f} | {r.get('cpu_x_1k', float('nan')):.2f} | "
+            f"{r['eval_s']:.1f} | {full} | {r['ckpt_first_s']:.2f}, "
+            f"{r['ckpt_next_s']:.2f} | {r['ckpt_mb']:.0f} | {r['store_mb']:.0f} | {r['stored']:,} | "
+            f"{r['peak_rss_mib']:.0f} | {r['load_before']:.1f}–{r['load_after']:.1f} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 5, figsize=(20, 3.6))
+    keys = [("round_s", "s/round (wall)"), ("round_cpu_s", "CPU s/round"), ("peak_rss_mib", "peak RSS (MiB)"), ("startup_s", "start-up (s)"),
+            ("ckpt_next_s", "checkpoint after one round (s)")]
+    series = sorted({(r["method"], r["store_choice"]) for r in rows if not r.get("skipped")})
+    for ax, (key, label) in zip(axes, keys):
+        for method, store in series:
+            pts = sorted((r["clients"], r[key]) for r in rows
+                         if not r.get("skipped") and r["method"] == method and r["store_choice"] == store)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{method} ({store})")
+        ax.set_xscale("log")
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("clients")
+        ax.set_title(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--populations", type=int, nargs="+", default=[1000, 10000, 100000])
+    parser.add_argument("--methods", nargs="+", default=["fedavg", "ditto"])
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=3, help="runs per row, in turn (the table shows medians)")
+    parser.add_argument("--budget-gb", type=float, default=2.0, help="federation.client_memory_gb")
+    parser.add_argument("--full-eval", action="store_true", help="also time an evaluation of every client")
+    parser.add_argument("--store-dir", default=None, help="federation.client_store_dir (default: a temporary folder)")
+    parser.add_argument("--no-track", action="store_true")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(json.loads(args.child))))
+        return 0
+
+    work = Path(tempfile.mkdtemp(prefix="pfl-bench-scale-"))
+    smallest = min(args.populations)
+    plan = [(method, m, "auto") for method in args.methods for m in sorted(args.populations)]
+    plan += [(method, smallest, "disk") for method in args.methods if "ditto" == method]
+    runs: dict[tuple, list[dict]] = {row: [] for row in plan}
+    try:
+        for rep in range(args.repeats):  # the rows in turn, so a change of the machine's load hits them alike
+            for method, m, store in plan:
+                spec = {"method": method, "clients": m, "store": store, "rounds": args.rounds,
+                        "budget_gb": args.budget_gb, "store_dir": args.store_dir, "work": str(work),
+                        "full_eval": args.full_eval and rep == 0}
+                r = measure(spec)
+                runs[(method, m, store)].append(r)
+                print(f"{method:<7} {m:>7,} {store:<5} -> {r['store']:<6} start-up {r['startup_s']:5.1f} s  "
+                      f"{r['round_s']:.2f} s/round ({r['round_cpu_s']:.2f} CPU)  eval {r['eval_s']:.1f} s  ckpt {r['ckpt_first_s']:.2f}/"
+                      f"{r['ckpt_next_s']:.2f} s  peak {r['peak_rss_mib']:.0f} MiB  load {r['load_before']:.1f}",
+                      flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    rows: list[dict] = []
+    for (method, m, store), done in runs.items():
+        row = dict(done[0])
+        for key in ("startup_s", "round_s", "round_cpu_s", "eval_s", "ckpt_first_s", "ckpt_next_s"):
+            row[key] = statistics.median(r[key] for r in done)
+        row["peak_rss_mib"] = max(r["peak_rss_mib"] for r in done)  # the worst (the full evaluation's run)
+        row["round_s_runs"] = " ".join(f"{r['round_s']:.2f}" for r in done)
+        row["load_before"] = min(r["load_before"] for r in done)
+        row["load_after"] = max(r["load_after"] for r in done)
+        row.update(method=method, clients=m, store_choice=store)
+        rows.append(row)
+    for r in rows:
+        ref = next((x for x in rows if x["method"] == r["method"] and x["clients"] == smallest
+                    and x["store_choice"] == "auto"), None)
+        r["x_1k"] = r["round_s"] / ref["round_s"] if ref else float("nan")
+        r["cpu_x_1k"] = r["round_cpu_s"] / ref["round_cpu_s"] if ref else float("nan")
+    rows += [{"method": "fpfc", "clients": m, "skipped": f"θ and v need {fpfc_gb(m):,.0f} GB (2·m²·p floats, "
+              f"p = {PARAMS:,})"} for m in sorted(args.populations)]
+    cpus = os.cpu_count()
+    text = table(rows)
+    title = (f"== bench_scale: crowd source, MLP 256-128-10 ({PARAMS:,} parameters), 100 clients a round, "
+             f"{args.rounds} rounds, client_memory_gb {args.budget_gb:g}, {cpus} CPUs ==")
+    print("\n" + title + "\n" + text)
+    if not args.no_track:
+        import pandas as pd
+
+        from pfl.tracking import Tracker
+
+        tracker = Tracker.start(None, "bench_scale", tags={"pfl.pipeline": "bench_scale"})
+        tracker.log_params({"populations": " ".join(map(str, args.populations)), "methods": " ".join(args.methods),
+                            "rounds": args.rounds, "repeats": args.repeats, "budget_gb": args.budget_gb,
+                            "cpus": cpus, "params": PARAMS})
+        for r in rows:
+            if r.get("skipped"):
+                continue
+            key = f"{r['method']}_{r['store_choice']}"
+            tracker.log_metrics({f"{key}/{k}": float(r[k]) for k in
+                                 ("startup_s", "round_s", "round_cpu_s", "eval_s", "ckpt_first_s", "ckpt_next_s", "ckpt_mb",
+                                  "store_mb", "peak_rss_mib", "load_before")}, step=r["clients"])
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp)
+            pd.DataFrame(rows).to_csv(out / "bench_scale.csv", index=False)
+            (out / "bench_scale.md").write_text(title + "\n\n" + text + "\n")
+            plot(rows, out / "bench_scale.png")
+            for name in ("bench_scale.csv", "bench_scale.md", "bench_scale.png"):
+                tracker.log_artifact(out / name)
+        tracker.end("FINISHED")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

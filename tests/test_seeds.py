@@ -1,0 +1,80 @@
+"""pfl.seeds: mean ± std over seeds, paired differences, the within-spread mark, the runs."""
+
+import math
+
+import pytest
+
+from helpers import small_config
+from pfl.schema import ConfigError
+from pfl.seeds import MARK, Row, aggregate, check_seeds, compare, last_mean, markdown
+
+
+def _records():
+    # row A: 0.80, 0.84, 0.82; row B: 0.70, 0.75, 0.71; row C (within A's spread): 0.81, 0.83, 0.80
+    values = {"A": [0.80, 0.84, 0.82], "B": [0.70, 0.75, 0.71], "C": [0.81, 0.83, 0.80]}
+    return [{"group": "g", "row": r, "seed": s, "last_mean": v[s], "bytes": 10.0 * (s + 1)}
+            for r, v in values.items() for s in range(3)]
+
+
+def test_mean_sample_std_and_paired_difference_by_hand():
+    rows = {r["row"]: r for r in aggregate(_records(), reference="A")}
+    a, b, c = rows["A"], rows["B"], rows["C"]
+    assert a["last_mean_mean"] == pytest.approx(0.82)
+    assert a["last_mean_std"] == pytest.approx(0.02)                    # sqrt((0.0004 + 0.0004 + 0) / 2)
+    assert b["delta_mean"] == pytest.approx((-0.10 - 0.09 - 0.11) / 3)
+    assert b["delta_std"] == pytest.approx(0.01)                        # diffs −0.10, −0.09, −0.11
+    assert a["mark"] == "ref" and b["mark"] == "" and c["mark"] == MARK  # |0.8133 − 0.82| < 0.02
+    assert a["bytes_mean"] == pytest.approx(20.0) and "seed_mean" not in a
+    best = {r["row"]: r for r in aggregate(_records(), reference="best")}
+    assert best["A"]["mark"] == "ref" and best["C"]["mark"] == MARK
+
+
+def test_one_seed_never_marks_and_markdown_states_the_rule():
+    one = [r for r in _records() if r["seed"] == 0]
+    rows = aggregate(one, reference="A")
+    assert all(r["mark"] in ("", "ref") for r in rows) and math.isnan(rows[0]["last_mean_std"])
+    text = markdown(aggregate(_records(), reference="A"), columns=[("bytes", "bytes", 1.0, 0)])
+    assert "| g | C | 3 | 81.33 ± 1.53 | -0.67 ± 1.53 | ≈ |" in text and MARK in text and "paired difference" in text
+
+
+def test_last_mean_uses_the_last_evaluations_only():
+    history = [{"test/acc_mean": 0.1}, {"train/loss": 1.0}, {"test/acc_mean": 0.5}, {"test/acc_mean": 0.7}]
+    assert last_mean(history, "test/acc_mean", 2) == pytest.approx(0.6)
+    assert last_mean(history, "test/acc_mean", 10) == pytest.approx(1.3 / 3)
+    assert math.isnan(last_mean([], "test/acc_mean", 3))
+
+
+def test_seeds_must_be_given_and_distinct():
+    assert check_seeds((2, 0)) == [2, 0]
+    for bad in ([], [1, 1]):
+        with pytest.raises(ConfigError) as err:
+            check_seeds(bad)
+        assert err.value.field == "--seeds"
+
+
+def test_compare_runs_every_row_for_every_seed_on_the_seeds_data(tmp_path):
+    rows = [Row(label, lambda s, m=method: small_config(method__name=m, seed=s, federation__rounds=2,
+                                                        federation__eval_every=1, data__num_clients=4,
+                                                        federation__clients_per_round=0),
+                measure=lambda summary: {"bytes": summary.final["comm/total_bytes"]})
+            for label, method in (("fedavg", "fedavg"), ("local", "local"))]
+    out = compare("seed_test", rows, [0, 1], track=False, reference="local", last=2, outdir=tmp_path, progress=None)
+    recs = out["records"]
+    assert [(r["row"], r["seed"]) for r in recs] == [("fedavg", 0), ("local", 0), ("fedavg", 1), ("local", 1)]
+    assert all(r["test_n"] > 0 for r in recs) and recs[0]["test_n"] == recs[1]["test_n"]  # one partition per seed
+    assert recs[0]["test_n"] != recs[2]["test_n"] or recs[0]["final"] != recs[2]["final"]  # seeds differ
+    local = [r for r in recs if r["row"] == "local"]
+    assert all(r["bytes"] == 0 for r in local)
+    summary = {r["row"]: r for r in out["summary"]}
+    fed = [r["last_mean"] for r in recs if r["row"] == "fedavg"]
+    assert summary["fedavg"]["last_mean_mean"] == pytest.approx(sum(fed) / 2)
+    assert (tmp_path / "seed_test_runs.csv").read_text().count("\n") == 5
+    assert "Δ vs ref" in (tmp_path / "seed_test.md").read_text()
+
+
+def test_a_failed_run_is_counted_apart_and_never_averaged():
+    recs = _records() + [{"group": "g", "row": "A", "seed": 3, "last_mean": 0.0, "bytes": 0.0, "status": "FAILED"}]
+    rows = {r["row"]: r for r in aggregate(recs, reference="A")}
+    assert rows["A"]["seeds"] == 3 and rows["A"]["failed"] == 1
+    assert rows["A"]["last_mean_mean"] == pytest.approx(0.82)
+    assert "3 (1 failed)" in markdown(list(rows.values()))

@@ -1,0 +1,76 @@
+"""docs/verification.md covers every registered method, and every test it names exists."""
+
+import ast
+import re
+from pathlib import Path
+
+from pfl.methods import list_methods
+
+ROOT = Path(__file__).resolve().parents[1]
+ROW = re.compile(r"^\|\s*`(?P<name>[a-z0-9_+]+)`\s*\|.*\|\s*`(?P<test>tests/[\w/]+\.py::\w+)`\s*\|\s*$")
+
+
+def _rows() -> dict[str, list[str]]:
+    """method name → the test ids its rows name (rows of the first table, 'Registered methods')."""
+    text = (ROOT / "docs" / "verification.md").read_text()
+    section = text.split("## Registered methods", 1)[1].split("\n## ", 1)[0]
+    rows: dict[str, list[str]] = {}
+    for line in section.splitlines():
+        match = ROW.match(line.strip())
+        if match:
+            rows.setdefault(match["name"], []).append(match["test"])
+    return rows
+
+
+def _test_exists(test_id: str) -> bool:
+    path, _, name = test_id.partition("::")
+    file = ROOT / path
+    if not file.is_file():
+        return False
+    tree = ast.parse(file.read_text())
+    return any(isinstance(node, ast.FunctionDef) and node.name == name for node in tree.body)
+
+
+def test_every_registered_method_has_a_row():
+    rows = _rows()
+    # pfl's own methods: plugins registered by other tests in this process (own-code tests) are not pfl's
+    registered = {cls.name for cls in list_methods()
+                  if "+" not in cls.name and cls.__module__.startswith("pfl.methods.")}
+    assert registered, "no methods registered"
+    assert sorted(registered - set(rows)) == []
+    assert sorted(set(rows) - registered) == []   # no row for a method that does not exist
+
+
+def test_every_named_test_exists():
+    missing = [t for tests in _rows().values() for t in tests if not _test_exists(t)]
+    assert missing == []
+
+
+def test_the_checks_can_fail():
+    """The parser sees a missing row and a missing test (guards against a regex that matches nothing)."""
+    assert not _test_exists("tests/test_truth_global.py::test_that_does_not_exist")
+    assert _test_exists("tests/test_verification.py::test_every_named_test_exists")
+    assert len(_rows()) >= 30
+
+
+def test_mutation_sample_is_seeded_and_its_interval_is_wilsons(tmp_path):
+    """pipelines/mutation_sample.py: the same sample for the same seed; the 95 % Wilson interval of
+    50 / 100 is 0.4038–0.5962 (the textbook value); mutmut's exit codes read from .meta files."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(ROOT / "pipelines"))
+    import mutation_sample as ms
+
+    names = [f"pfl.m.x_f__mutmut_{i}" for i in range(50)]
+    assert ms.sample(names, 10, 32) == ms.sample(reversed(names), 10, 32) != ms.sample(names, 10, 33)
+    lo, hi = ms.wilson(50, 100)
+    assert round(lo, 4) == 0.4038 and round(hi, 4) == 0.5962
+    meta = tmp_path / "mutants" / "pfl" / "m.py.meta"
+    meta.parent.mkdir(parents=True)
+    meta.write_text(json.dumps({"exit_code_by_key": {"pfl.m.x_f__mutmut_1": 1, "pfl.m.x_f__mutmut_2": 0,
+                                                     "pfl.m.x_f__mutmut_3": 33, "pfl.m.x_f__mutmut_4": None}}))
+    codes = ms.results(tmp_path)
+    text = ms.score(codes, sorted(codes))
+    assert "killed / judged = 1 / 3" in text and "not run 1" in text
+    assert "survived  pfl.m.x_f__mutmut_2" in text and "no tests  pfl.m.x_f__mutmut_3" in text
