@@ -29,6 +29,19 @@ one, the CPU time of a one-thread process does not. Peak memory is VmHWM after r
 added). pfl and the limit alternate (``--pairs`` pairs, the order swapped every pair) and the table
 reports medians and the load average. Logged to MLflow (``bench_round``); the last line is
 ``pfl/limit per round: X, peak memory: Y`` for FedAvg.
+
+Measured (issue 33, 2 CPUs shared with other sessions, 25 Nov 2026; CPU s/round, medians of 3
+pairs; ``--pairs 3 --rounds 6``, load average 1.9 → 1.1 while it ran):
+
+    workload   pfl s  limit s  ratio   pfl MiB  limit MiB  ratio
+    fedavg     1.522    1.356  1.122      1042       1020  1.022   (a test run shared the CPUs)
+    ditto      3.027    2.920  1.037      1745       1840  0.948
+    fpfc       0.251    0.267  0.940       912        913  0.999
+
+FedAvg alone again right after (load 1.0 → 2.7): 1.376 / 1.299 s = 1.059, 1027 / 1020 MiB = 1.006;
+``--quick`` (load 1.5 → 3.1): 1.025 and 1.009. The FedAvg ratio moves by ±5 % from run to run on
+this machine. Before issue 33 (main at 14d0d11, ``--quick --pairs 2``): 1.264 and 1.259 (pfl kept
+and stacked every reply, copied each model three times and re-bound every parameter each step).
 """
 
 from __future__ import annotations
