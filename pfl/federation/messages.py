@@ -42,7 +42,6 @@ from typing import Any, ClassVar, Collection, Iterator, Mapping, Union
 import torch
 
 from ..training import HANDED_OVER
-
 from .state import checkpointable, clone
 
 
