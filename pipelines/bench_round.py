@@ -30,18 +30,19 @@ added). pfl and the limit alternate (``--pairs`` pairs, the order swapped every 
 reports medians and the load average. Logged to MLflow (``bench_round``); the last line is
 ``pfl/limit per round: X, peak memory: Y`` for FedAvg.
 
-Measured (issue 33, 2 CPUs shared with other sessions, 25 Nov 2026; CPU s/round, medians of 3
-pairs; ``--pairs 3 --rounds 6``, load average 1.9 → 1.1 while it ran):
+Measured (issue 33, this 2-CPU machine, 25 Nov 2026, otherwise idle: load average 1.0 while it ran;
+CPU s/round, medians of 3 pairs; ``python3 pipelines/bench_round.py --pairs 3 --rounds 6``):
 
     workload   pfl s  limit s  ratio   pfl MiB  limit MiB  ratio
-    fedavg     1.522    1.356  1.122      1042       1020  1.022   (a test run shared the CPUs)
-    ditto      3.027    2.920  1.037      1745       1840  0.948
-    fpfc       0.251    0.267  0.940       912        913  0.999
+    fedavg     1.353    1.337  1.012      1027       1020  1.007
+    ditto      2.922    2.911  1.004      1719       1734  0.991
+    fpfc       0.247    0.262  0.943       918        918  0.999
 
-FedAvg alone again right after (load 1.0 → 2.7): 1.376 / 1.299 s = 1.059, 1027 / 1020 MiB = 1.006;
-``--quick`` (load 1.5 → 3.1): 1.025 and 1.009. The FedAvg ratio moves by ±5 % from run to run on
-this machine. Before issue 33 (main at 14d0d11, ``--quick --pairs 2``): 1.264 and 1.259 (pfl kept
-and stacked every reply, copied each model three times and re-bound every parameter each step).
+``--quick``: 1.006 and 1.005. Before the fused step (w + (−lr)·g in one pass, as torch.optim.SGD's
+foreach step; it was lr·g, then a subtraction) FedAvg's ratio was 1.050–1.056 on the same idle
+machine, and 0.95–1.12 with other jobs on the CPUs: the ratio moves by a few per cent from run to
+run. Before issue 33 (main at 14d0d11, ``--quick --pairs 2``): 1.264 and 1.259 (pfl kept and stacked
+every reply, copied each model three times and re-bound every parameter each step).
 """
 
 from __future__ import annotations
