@@ -84,7 +84,8 @@ class FedAvg(Method):
         the same bits as :func:`~pfl.aggregation.weighted_average` of the kept replies."""
         folded, self._folded = getattr(self, "_folded", None), None
         if folded is not None:
-            return folded[1].mean()
+            mean = folded[1].mean()
+            return mean if names is None else {k: mean[k] for k in names}
         models = [r.tensors() for r in replies.values()]
         weights = ([r.info["n"] for r in replies.values()] if self.hp.weighting == "samples" else None)
         return aggregate(models, weights, self.hp, names=names, attack_fraction=self.ctx.cfg.attack.fraction)
