@@ -2,7 +2,7 @@
 
     python pipelines/bench_scale.py [--populations 1000 10000 100000] [--methods fedavg ditto]
                                     [--rounds 10] [--repeats 3] [--budget-gb 2] [--full-eval]
-                                    [--store-dir DIR] [--no-track]
+                                    [--long-rounds N] [--store-dir DIR] [--no-track]
 
 Each row is one run in a fresh process: the ``crowd`` source (``pfl.data.crowd``: synthetic, no
 download; 40 samples a client, 256 features, Dirichlet(0.5) label mixes, a feature shift per
@@ -29,7 +29,14 @@ clients). Measured in the child:
 
 Each row runs ``--repeats`` times, all rows in turn before the next repeat, and the table shows
 medians (``round_s_runs`` in the CSV: every run's s/round); the full evaluation is timed in the first
-repeat only. The load average of the machine is read before and after each run and the table shows
+repeat only. **x 1k** is the median over the repeats of the row's s/round divided by the smallest
+population's in the same repeat (the two ran minutes apart at most, so a change of the machine's
+speed between repeats cancels), with the range over the repeats in brackets.
+
+With ``--long-rounds N``, each method also runs N rounds at the largest population in one process,
+and a second table gives s/round in ten blocks of N/10 rounds with the clients that have a stored
+state and the store's segments by then: whether a round gets slower as the store fills (records to
+read back, segments to index) — what the first table's ten rounds cannot show. The load average of the machine is read before and after each run and the table shows
 its range (the machine is shared: times are noisy under load; compare rows of one table).
 
 FPFC is not run: its server keeps θ and v, two dense (m, m, p) tensors, so with this model
@@ -59,6 +66,37 @@ sys.path.insert(0, str(ROOT))
 
 FEATURES, HIDDEN, CLASSES = 256, 128, 10
 PARAMS = FEATURES * HIDDEN + HIDDEN + HIDDEN * CLASSES + CLASSES
+
+
+def child_long(spec: dict) -> list[dict]:
+    """One long run: s/round (wall and CPU) in ten blocks, and the store's size after each."""
+    from pfl.federation.simulator import Simulator
+    from pfl.resolver import load
+
+    cfg = load(None, {
+        "data.source": "crowd", "data.num_clients": spec["clients"], "data.params.num_features": FEATURES,
+        "data.cache": False, "method.name": spec["method"], "model.name": "mlp", "model.params.hidden": [HIDDEN],
+        "federation.clients_per_round": 100, "federation.rounds": spec["rounds"] + 1,
+        "federation.eval_every": 10**6, "federation.local_epochs": 1, "federation.lr": 0.05,
+        "federation.client_store": spec["store"], "federation.client_memory_gb": spec["budget_gb"],
+        "federation.client_store_dir": spec["store_dir"], "tracking.enabled": False})
+    sim = Simulator(cfg)
+    block = max(spec["rounds"] // 10, 1)
+    out, wall, cpu = [], 0.0, 0.0
+    for done in range(1, spec["rounds"] + 1):
+        start, start_cpu = time.perf_counter(), time.process_time()
+        sim.run_round(evaluate=False)
+        wall += time.perf_counter() - start
+        cpu += time.process_time() - start_cpu
+        if done % block == 0:
+            disk = sim.store.kind == "disk"
+            out.append({"rounds": done, "round_s": wall / block, "round_cpu_s": cpu / block,
+                        "stored": int((sim.store.index["client"] >= 0).sum()) if disk else sim.num_clients,
+                        "segments": sum(n is not None for n in sim.store.names) if disk else 0,
+                        "store_mb": du(sim.store.root) if disk else 0.0})
+            print(json.dumps({"progress": out[-1]}), file=sys.stderr, flush=True)
+            wall = cpu = 0.0
+    return out
 
 
 def child(spec: dict) -> dict:
@@ -140,7 +178,7 @@ def du(path: Path) -> float:
     return total / 1e6
 
 
-def measure(spec: dict) -> dict:
+def measure(spec: dict):
     """``spec`` run in a fresh process (its own peak memory, its own imports)."""
     with tempfile.TemporaryDirectory(dir=spec["work"]) as tmp:
         spec = dict(spec, ckpt_dir=tmp, store_dir=spec["store_dir"] or tmp)
@@ -149,6 +187,15 @@ def measure(spec: dict) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"{spec['method']} at {spec['clients']} clients failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def ratio_cell(r: dict, key: str) -> str:
+    """The median ratio to the smallest population over the repeats, and their range."""
+    runs = r.get(f"{key}_ratios") or []
+    if not runs:
+        return "—"
+    spread = f" ({min(runs):.2f}–{max(runs):.2f})" if len(runs) > 1 else ""
+    return f"{statistics.median(runs):.2f}{spread}"
 
 
 def fpfc_gb(m: int) -> float:
@@ -166,8 +213,8 @@ def table(rows: list[dict]) -> str:
             continue
         full = f"{r['full_eval_s']:.0f}" if "full_eval_s" in r else "—"
         lines.append(
-            f"| {r['method']} | {r['clients']:,} | {r['store']} | {r['startup_s']:.1f} | {r['round_s']:.2f} | "
-            f"{r.get('x_1k', float('nan')):.2f} | {r['round_cpu_s']:.2f} | {r.get('cpu_x_1k', float('nan')):.2f} | "
+            f"| {r['method']} | {r['clients']:,} | {r['store']} | {r['startup_s']:.1f} | {r['round_s']:.3f} | "
+            f"{ratio_cell(r, 'round_s')} | {r['round_cpu_s']:.3f} | {ratio_cell(r, 'round_cpu_s')} | "
             f"{r['eval_s']:.1f} | {full} | {r['ckpt_first_s']:.2f}, "
             f"{r['ckpt_next_s']:.2f} | {r['ckpt_mb']:.0f} | {r['store_mb']:.0f} | {r['stored']:,} | "
             f"{r['peak_rss_mib']:.0f} | {r['load_before']:.1f}–{r['load_after']:.1f} |")
@@ -201,6 +248,39 @@ def plot(rows: list[dict], path: Path) -> Path:
     return path
 
 
+def long_table(long_runs: dict[str, list[dict]], clients: int) -> str:
+    lines = ["| method | rounds done | s/round | CPU s/round | clients stored | segments | store MB |",
+             "|---|---|---|---|---|---|---|"]
+    for method, blocks in long_runs.items():
+        for b in blocks:
+            lines.append(f"| {method} | {b['rounds']:,} | {b['round_s']:.3f} | {b['round_cpu_s']:.3f} | "
+                         f"{b['stored']:,} | {b['segments']} | {b['store_mb']:,.0f} |")
+    return "\n".join(lines)
+
+
+def plot_long(long_runs: dict[str, list[dict]], clients: int, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    for method, blocks in long_runs.items():
+        x = [b["rounds"] for b in blocks]
+        ax.plot(x, [b["round_s"] for b in blocks], marker="o", label=f"{method}: wall")
+        ax.plot(x, [b["round_cpu_s"] for b in blocks], marker=".", linestyle="--", label=f"{method}: CPU")
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("rounds done")
+    ax.set_ylabel("s/round (mean over the block)")
+    ax.set_title(f"s/round as the store fills ({clients:,} clients, 100 a round)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--populations", type=int, nargs="+", default=[1000, 10000, 100000])
@@ -209,12 +289,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="runs per row, in turn (the table shows medians)")
     parser.add_argument("--budget-gb", type=float, default=2.0, help="federation.client_memory_gb")
     parser.add_argument("--full-eval", action="store_true", help="also time an evaluation of every client")
+    parser.add_argument("--long-rounds", type=int, default=0,
+                        help="also run each method this many rounds at the largest population (s/round as the store fills)")
     parser.add_argument("--store-dir", default=None, help="federation.client_store_dir (default: a temporary folder)")
     parser.add_argument("--no-track", action="store_true")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(child(json.loads(args.child))))
+        spec = json.loads(args.child)
+        print(json.dumps(child_long(spec) if spec.get("long") else child(spec)))
         return 0
 
     work = Path(tempfile.mkdtemp(prefix="pfl-bench-scale-"))
@@ -234,6 +317,15 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['round_s']:.2f} s/round ({r['round_cpu_s']:.2f} CPU)  eval {r['eval_s']:.1f} s  ckpt {r['ckpt_first_s']:.2f}/"
                       f"{r['ckpt_next_s']:.2f} s  peak {r['peak_rss_mib']:.0f} MiB  load {r['load_before']:.1f}",
                       flush=True)
+        long_runs = {}
+        for method in args.methods if args.long_rounds else ():
+            spec = {"method": method, "clients": max(args.populations), "store": "auto", "rounds": args.long_rounds,
+                    "budget_gb": args.budget_gb, "store_dir": args.store_dir, "work": str(work), "long": True}
+            long_runs[method] = measure(spec)
+            last = long_runs[method][-1]
+            print(f"{method:<7} {spec['clients']:>7,} long run: {args.long_rounds} rounds, the last "
+                  f"{args.long_rounds // 10} at {last['round_s']:.3f} s/round ({last['round_cpu_s']:.3f} CPU), "
+                  f"{last['stored']:,} clients stored", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     rows: list[dict] = []
@@ -242,16 +334,19 @@ def main(argv: list[str] | None = None) -> int:
         for key in ("startup_s", "round_s", "round_cpu_s", "eval_s", "ckpt_first_s", "ckpt_next_s"):
             row[key] = statistics.median(r[key] for r in done)
         row["peak_rss_mib"] = max(r["peak_rss_mib"] for r in done)  # the worst (the full evaluation's run)
-        row["round_s_runs"] = " ".join(f"{r['round_s']:.2f}" for r in done)
+        row["round_s_runs"] = " ".join(f"{r['round_s']:.5f}" for r in done)
         row["load_before"] = min(r["load_before"] for r in done)
         row["load_after"] = max(r["load_after"] for r in done)
         row.update(method=method, clients=m, store_choice=store)
         rows.append(row)
     for r in rows:
-        ref = next((x for x in rows if x["method"] == r["method"] and x["clients"] == smallest
-                    and x["store_choice"] == "auto"), None)
-        r["x_1k"] = r["round_s"] / ref["round_s"] if ref else float("nan")
-        r["cpu_x_1k"] = r["round_cpu_s"] / ref["round_cpu_s"] if ref else float("nan")
+        ref = (r["method"], smallest, "auto")
+        for key in ("round_s", "round_cpu_s"):  # repeat by repeat: the runs of one repeat ran close in time
+            if ref in runs:
+                r[f"{key}_ratios"] = [a[key] / b[key] for a, b in zip(runs[(r["method"], r["clients"], r["store_choice"])],
+                                                                      runs[ref])]
+        r["x_1k"] = statistics.median(r.get("round_s_ratios") or [float("nan")])
+        r["cpu_x_1k"] = statistics.median(r.get("round_cpu_s_ratios") or [float("nan")])
     rows += [{"method": "fpfc", "clients": m, "skipped": f"θ and v need {fpfc_gb(m):,.0f} GB (2·m²·p floats, "
               f"p = {PARAMS:,})"} for m in sorted(args.populations)]
     cpus = os.cpu_count()
@@ -259,6 +354,10 @@ def main(argv: list[str] | None = None) -> int:
     title = (f"== bench_scale: crowd source, MLP 256-128-10 ({PARAMS:,} parameters), 100 clients a round, "
              f"{args.rounds} rounds, client_memory_gb {args.budget_gb:g}, {cpus} CPUs ==")
     print("\n" + title + "\n" + text)
+    long_text = long_table(long_runs, max(args.populations)) if long_runs else ""
+    if long_text:
+        print(f"\n== s/round as the store fills: {max(args.populations):,} clients, {args.long_rounds} rounds ==\n"
+              + long_text)
     if not args.no_track:
         import pandas as pd
 
@@ -273,14 +372,23 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             key = f"{r['method']}_{r['store_choice']}"
             tracker.log_metrics({f"{key}/{k}": float(r[k]) for k in
-                                 ("startup_s", "round_s", "round_cpu_s", "eval_s", "ckpt_first_s", "ckpt_next_s", "ckpt_mb",
-                                  "store_mb", "peak_rss_mib", "load_before")}, step=r["clients"])
+                                 ("startup_s", "round_s", "round_cpu_s", "x_1k", "cpu_x_1k", "eval_s", "ckpt_first_s",
+                                  "ckpt_next_s", "ckpt_mb", "store_mb", "peak_rss_mib", "load_before")}, step=r["clients"])
+        for method, blocks in long_runs.items():
+            for b in blocks:
+                tracker.log_metrics({f"{method}_long/{k}": float(b[k]) for k in ("round_s", "round_cpu_s", "stored")},
+                                    step=b["rounds"])
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp)
             pd.DataFrame(rows).to_csv(out / "bench_scale.csv", index=False)
-            (out / "bench_scale.md").write_text(title + "\n\n" + text + "\n")
+            (out / "bench_scale.md").write_text(title + "\n\n" + text + "\n" + (
+                f"\n## s/round as the store fills ({args.long_rounds} rounds)\n\n{long_text}\n" if long_text else ""))
+            names = ["bench_scale.csv", "bench_scale.md", "bench_scale.png"]
             plot(rows, out / "bench_scale.png")
-            for name in ("bench_scale.csv", "bench_scale.md", "bench_scale.png"):
+            if long_runs:
+                plot_long(long_runs, max(args.populations), out / "bench_scale_long.png")
+                names.append("bench_scale_long.png")
+            for name in names:
                 tracker.log_artifact(out / name)
         tracker.end("FINISHED")
     return 0

@@ -200,7 +200,8 @@ def test_a_disk_snapshot_is_an_index_that_later_rounds_cannot_change():
         run_rounds(s, until=2)
     snap, ref_snap = sim.snapshot(), ref.snapshot()
     assert isinstance(snap["clients"], DiskSnapshot)
-    assert snap["clients"].index["client"].nbytes == 4 * sim.num_clients   # no state is copied
+    index_bytes = sum(a.nbytes for part in (snap["clients"].index, snap["clients"].spans) for a in part.values())
+    assert index_bytes == 28 * sim.num_clients   # segment and span per client: no state is copied
     for s in (sim, ref):
         run_rounds(s, until=5)               # enough saves for stale segments to be deleted
     assert all((sim.store.root / sim.store.names[n]).is_file() for n in snap["clients"].segments())
@@ -419,3 +420,117 @@ def test_a_full_disk_fails_the_run_and_keeps_the_last_checkpoint(tmp_path, tiny_
     straight = build(cfg(8), "memory")
     run_rounds(straight)
     assert_same_run(resumed, straight)
+
+
+# ---- the record format and the writer ----------------------------------------------------------------
+
+def test_a_record_that_names_code_is_refused_when_read(tmp_path):
+    """A segment's headers are read by an unpickler that admits no global: a record naming a
+    function (here os.system, which a plain pickle would call) fails to load instead of running it."""
+    import pickle
+
+    from pfl.federation.records import Record, SegmentBuffer, read_record, unpack
+
+    class Call:
+        def __reduce__(self):
+            return (os.system, ("echo pwned > " + str(tmp_path / "ran"),))
+
+    evil = Record(pickle.dumps(({"w": Call()}, []), protocol=5), b"")
+    buffer = SegmentBuffer()
+    span = buffer.append_record(evil)
+    buffer.write(tmp_path / "seg.pfls")
+    rec = read_record(tmp_path / "seg.pfls", *span)
+    with pytest.raises(pickle.UnpicklingError, match="posix.system|os.system"):
+        unpack(rec, torch.device("cpu"))
+    assert not (tmp_path / "ran").exists()
+
+
+def test_a_damaged_segment_fails_naming_the_file(tmp_path):
+    store = DiskStore(tmp_path, 4, lambda cid: {}, torch.device("cpu"), flush_bytes=0)
+    store.save(2, {"w": torch.arange(100.0)})
+    store.flush()
+    path = store.path(int(store.index["client"][2]))
+    with open(path, "r+b") as fh:       # the record's tag overwritten
+        fh.write(b"XXXX")
+    with pytest.raises(StoreError, match=str(path)):
+        store.load(2)
+    os.truncate(path, 100)              # and cut short
+    with pytest.raises(StoreError, match=str(path)):
+        store.load(2)
+    store.close()
+
+
+def test_an_unchanged_state_is_found_by_its_bytes():
+    """Loaded and saved back as it was: nothing is written. A change in a tensor's bits only (0.0 to
+    −0.0, equal as numbers) or in a plain value is a change."""
+    store = DiskStore(None, 3, lambda cid: {"w": torch.zeros(4)}, torch.device("cpu"), flush_bytes=0)
+    store.save(0, store.load(0))                              # the fresh state, unchanged
+    assert not store.names
+    state = store.load(1)
+    state["w"][0] = -0.0                                      # == 0.0, other bits
+    store.save(1, state)
+    assert len(store.names) == 1 and store.index["client"][1] == 0
+    again = store.load(1)
+    assert str(float(again["w"][0])) == "-0.0"
+    store.save(1, again)                                      # as it was read: no new segment
+    store.save(2, {"w": torch.zeros(4), "loss": 0.5})         # a new plain value
+    store.flush()
+    assert len(store.names) == 2
+    back = store.load(2)
+    store.save(2, {**back, "loss": 0.25})
+    store.flush()
+    assert len(store.names) == 3 and store.load(2)["loss"] == 0.25
+    store.close()
+
+
+def test_records_are_read_from_a_segment_while_it_is_being_written(tmp_path, monkeypatch):
+    """The writer thread writes a full segment while the clients' steps go on: a client saved into it
+    loads from memory until the file is in place, and what a flush returns is on disk."""
+    import threading
+
+    from pfl.federation.records import SegmentBuffer
+
+    gate = threading.Event()
+    write = SegmentBuffer.write
+
+    def slow_write(self, path):
+        gate.wait(timeout=30)
+        write(self, path)
+
+    monkeypatch.setattr(SegmentBuffer, "write", slow_write)
+    store = DiskStore(tmp_path, 4, lambda cid: {}, torch.device("cpu"), flush_bytes=0)
+    store.save(1, {"w": torch.full((50,), 7.0)})              # a segment of its own, handed to the writer
+    num = int(store.index["client"][1])
+    assert not store.path(num).exists()                       # not on disk yet
+    assert torch.equal(store.load(1)["w"], torch.full((50,), 7.0))
+    gate.set()
+    store.flush()
+    assert store.path(num).is_file() and torch.equal(store.load(1)["w"], torch.full((50,), 7.0))
+    store.close()
+
+
+def test_a_failed_background_write_fails_the_next_flush(tmp_path, monkeypatch):
+    from pfl.federation.records import SegmentBuffer
+
+    def full_disk(self, path):
+        raise StoreError(f"cannot write client states to {path.parent}: No space left on device")
+
+    store = DiskStore(tmp_path, 4, lambda cid: {}, torch.device("cpu"), flush_bytes=0)
+    monkeypatch.setattr(SegmentBuffer, "write", full_disk)
+    store.save(0, {"w": torch.ones(10)})                      # handed to the writer: no error yet
+    with pytest.raises(StoreError, match="No space left"):
+        store.flush()
+    store.close()
+
+
+def test_a_checkpoint_of_an_earlier_disk_format_is_refused_naming_it(tmp_path):
+    from pfl.federation.checkpoint import CheckpointError
+
+    sim = build(small_config(method__name="ditto", federation__rounds=3), "disk")
+    run_rounds(sim, until=1)
+    save_checkpoint(sim, tmp_path / "c.pt")
+    raw = torch.load(tmp_path / "c.pt", weights_only=True)
+    raw["model"]["clients"]["format"] = 1
+    torch.save(raw, tmp_path / "c.pt")
+    with pytest.raises(CheckpointError, match="disk format 1"):
+        load_checkpoint(build(small_config(method__name="ditto", federation__rounds=3), "disk"), tmp_path / "c.pt")

@@ -76,6 +76,29 @@ def test_a_crowd_device_reads_the_same_whichever_rows_are_asked_for():
     assert np.array_equal(load_crowd(p, 30).read_rows(rows), whole)         # and again from the seed
 
 
+def test_a_crowd_sample_is_its_prototype_plus_its_device_shift_plus_noise():
+    """The module docstring's construction, computed here device by device in float64 from its
+    parts: prototypes μ ~ separation·N(0, I) from the generator seeded (gen_seed, 0), and device
+    i's generator (seeded by device_seed) drawing its shift row, then one noise row per sample."""
+    from pfl.data.crowd import device_seed
+
+    p = CrowdParams(num_features=6, num_classes=4, samples_per_client=9, size_spread=0.4, separation=2.0,
+                    shift=0.7, noise=0.3, gen_seed=5)
+    m = 25
+    src = load_crowd(p, m)
+    protos = p.separation * np.random.default_rng([p.gen_seed, 0]).standard_normal((p.num_classes, p.num_features))
+    rows = np.concatenate(src.devices)
+    got = src.read_rows(np.random.default_rng(1).permutation(rows))
+    order = np.argsort(np.random.default_rng(1).permutation(rows))
+    got = got[order]                                                # back in row order
+    for dev, own in enumerate(src.devices):
+        g = torch.Generator().manual_seed(device_seed(p.gen_seed, dev))
+        draws = torch.randn((len(own) + 1, p.num_features), generator=g).double().numpy()
+        want = protos[src.y[own]] + p.shift * draws[0] + p.noise * draws[1:]
+        assert np.allclose(got[own], want, atol=1e-5), dev
+    assert len({device_seed(p.gen_seed, d) for d in range(m)} | {device_seed(p.gen_seed + 1, 0)}) == m + 1
+
+
 def test_crowd_sizes_splits_and_label_mixes_follow_the_parameters():
     fed = load_federated(crowd_config(200, samples_per_client=40), seed=0, on_demand=True)
     # round(40·0.2) = 8 test, round(40·0.1) = 4 validation, the rest training, for every device

@@ -55,9 +55,11 @@ class ClientData:
         return int(self.y_test.shape[0])
 
     def to(self, device: str | torch.device) -> "ClientData":
-        moved = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
-                 if isinstance(getattr(self, f.name), torch.Tensor)}
-        return dataclasses.replace(self, **moved)
+        device = torch.device(device)
+        tensors = {k: v for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
+        if all(v.device == device for v in tensors.values()):
+            return self   # already there (data built on demand on the CPU: every client, every round)
+        return dataclasses.replace(self, **{k: v.to(device) for k, v in tensors.items()})
 
     @property
     def nbytes(self) -> int:
@@ -223,12 +225,12 @@ def _check_pooled_kind(cfg: DataConfig, image: bool, num_classes: int) -> None:
 
 
 def _client(src: SourceData, part: Partition, i: int, kind: str, num_clusters: int,
-            features: dict[str, torch.Tensor]) -> ClientData:
+            features: dict[str, torch.Tensor], labels: dict[str, np.ndarray] | None = None) -> ClientData:
+    """Client ``i``'s splits from its features (and its labels, when the caller gathered them)."""
     tensors = {}
     for split in ("train", "val", "test"):
-        idx = getattr(part, split)[i]
         x = features[split]
-        y = src.y[idx]
+        y = src.y[getattr(part, split)[i]] if labels is None else labels[split]
         t = -1 if part.transforms is None else int(part.transforms[i])
         if t >= 0 and kind == "label_swap":
             y = swap_labels(y, t, src.num_classes)
@@ -315,12 +317,14 @@ class OnDemandClients(Sequence[ClientData]):
         src, part = self.src, self.part
         if src.read_rows is None:
             feats = [{s: torch.from_numpy(src.featurize(src.x[getattr(part, s)[i]])) for s in SPLITS} for i in cids]
-        else:  # one read of the clients' rows, split as the bulk read splits them
+        else:  # one read of the clients' rows (and one gather of their labels), split as the bulk read splits them
             pieces = [getattr(part, s)[i] for i in cids for s in SPLITS]
-            rows = torch.from_numpy(src.read_rows(np.concatenate(pieces)))
-            ends = np.cumsum([len(p) for p in pieces])
-            feats = [{s: rows[ends[3 * k + j] - len(pieces[3 * k + j]):ends[3 * k + j]] for j, s in enumerate(SPLITS)}
-                     for k in range(len(cids))]
+            every = np.concatenate(pieces)
+            lengths = [len(p) for p in pieces]
+            rows = torch.from_numpy(src.read_rows(every)).split(lengths)
+            ys = np.split(src.y[every], np.cumsum(lengths)[:-1])
+            return [_client(src, part, i, self.kind, self.num_clusters, dict(zip(SPLITS, rows[3 * k:3 * k + 3])),
+                            dict(zip(SPLITS, ys[3 * k:3 * k + 3]))).to(self.device) for k, i in enumerate(cids)]
         return [_client(src, part, i, self.kind, self.num_clusters, f).to(self.device) for i, f in zip(cids, feats)]
 
     def build_all(self) -> list[ClientData]:

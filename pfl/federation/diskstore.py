@@ -2,17 +2,22 @@
 client in memory only while it takes a step.
 
 The store's *index* is one int32 array per space (client states, each server-side memory): the
-segment holding each client's current record, −1 for none. Saved records wait in a write buffer
-(``flush_bytes``) and go to disk together as one new segment.
+segment holding each client's current record, −1 for none; beside it the record's *span* in that
+segment (offset, header and blob lengths: three int64), so loading a client is one read of its
+record. Saved records wait in a write buffer (``flush_bytes``) and go to disk together as one new
+segment.
 
 **Fresh clients have no record.** A client without a record gets ``new_state(cid)`` (the method's
 ``init_client``) when it is loaded, and a save that leaves a state bit for bit as it was loaded
 (its record, or the fresh state) writes nothing. So a 100,000-client population costs disk only
 for the clients whose state changed, and an evaluation pass over everyone writes nothing for a
-method whose evaluation does not change client state.
+method whose evaluation does not change client state. The check costs no read: the store remembers
+the header of each record it handed out (:meth:`DiskStore.load`), and a state whose header changed
+(a new loss, a new shape) has changed; only a state with the same header is compared byte for byte
+with its record.
 
 **Snapshots and checkpoints are indexes.** Because segments are immutable, a snapshot is a copy
-of the index (:class:`DiskSnapshot`, 4 bytes per client), and a checkpoint is the index plus hard
+of the index and spans (:class:`DiskSnapshot`, 28 bytes per client), and a checkpoint is the index plus hard
 links (copies across file systems) to the segments it needs, in a folder next to the checkpoint
 file: only segments written since the previous checkpoint are linked; the ones no longer needed
 are removed after the checkpoint file is in place, so the last checkpoint stays whole. Segments
@@ -29,6 +34,7 @@ import tempfile
 import uuid
 import weakref
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -36,13 +42,13 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from .records import SUFFIX, Packed, link_or_copy, pack, read_segment_index, unpack, write_segment
+from .records import SUFFIX, Record, SegmentBuffer, layout, link_or_copy, pack, read_record, unpack
 from .state import checkpointable
 from .store import ClientStore, StoreError, memory_part
 
 log = logging.getLogger(__name__)
 
-DISK_FORMAT = 1
+DISK_FORMAT = 2   # 1: records described by a torch.save index at each segment's end (pfl of Nov 2026)
 
 
 # ---- snapshots and checkpoint parts ----------------------------------------------------------------
@@ -50,8 +56,9 @@ DISK_FORMAT = 1
 @checkpointable
 @dataclass(eq=False)
 class DiskSnapshot:
-    """Every space's index when the snapshot was taken (segment numbers, −1: no record)."""
+    """Every space's index (segment numbers, −1: no record) and spans when the snapshot was taken."""
     index: dict
+    spans: dict | None = None   # None only in a checkpoint of disk format 1, which is refused on resume
 
     def segments(self) -> set[int]:
         return {int(s) for a in self.index.values() for s in np.unique(a) if s >= 0}
@@ -102,7 +109,7 @@ def materialized(part: dict, directory: Path, extra: Any, new_state: Callable[[i
         return reader.states() if not memories else {"states": reader.states(), "memories": memories}
 
     extra = _replace_snapshots(extra, as_memory)
-    reader.restore(DiskSnapshot(part["index"]))
+    reader.restore(DiskSnapshot(part["index"], part["spans"]))
     return as_memory(), extra
 
 
@@ -127,18 +134,32 @@ class DiskStore(ClientStore):
             self.root = parent / f"pfl-store-{self.token}"
         self.read_only = read_only
         self.index: dict[str, np.ndarray] = {self.CLIENT: self._empty()}
+        self.spans: dict[str, np.ndarray] = {self.CLIENT: self._no_spans()}
         self.names: list[str | None] = []            # segment number → file name (None: deleted)
         self.counts: list[int] = []                  # segment number → records it holds
         self.sizes: list[int] = []                   # segment number → bytes
-        self.pending: dict[tuple[str, int], Packed] = {}
-        self.pending_bytes = 0
-        self._indexes: OrderedDict[int, dict] = OrderedDict()   # parsed segment indexes (LRU)
+        self.buffer = SegmentBuffer()                # the next segment
+        # the segment before it, while a background thread writes it (write-behind): its number,
+        # its buffer (records are read from there until it is on disk) and the write
+        self._inflight: tuple[int, SegmentBuffer, Future] | None = None
+        self._spare: SegmentBuffer | None = None
+        self._writer: ThreadPoolExecutor | None = None
+        self.pending: dict[tuple[str, int], tuple[int, int, int]] = {}   # its live records' spans
+        # the header of each record load() handed out, until its save (bounded: a load without a
+        # save, as inspection does, must not grow it; a forgotten header is read back instead)
+        self._handed: OrderedDict[tuple[str, int], bytes] = OrderedDict()
         self._snapshots: weakref.WeakSet[DiskSnapshot] = weakref.WeakSet()
         self._opened = False
         self._finalizer = None
 
+    #: headers remembered between a load and its save (a round's clients, with room to spare)
+    HANDED_MAX = 8192
+
     def _empty(self) -> np.ndarray:
         return np.full(self.num_clients, -1, dtype=np.int32)
+
+    def _no_spans(self) -> np.ndarray:
+        return np.zeros((self.num_clients, 3), dtype=np.int64)
 
     def __len__(self) -> int:
         return self.num_clients
@@ -159,6 +180,13 @@ class DiskStore(ClientStore):
         self._opened = True
 
     def close(self) -> None:
+        try:
+            self._settle()
+        except StoreError:
+            pass   # the folder goes anyway
+        if self._writer is not None:
+            self._writer.shutdown()
+            self._writer = None
         if self._finalizer is not None:
             self._finalizer()
         self._opened = False
@@ -170,81 +198,135 @@ class DiskStore(ClientStore):
     def _space(self, space: str) -> np.ndarray:
         if space not in self.index:
             self.index[space] = self._empty()
+            self.spans[space] = self._no_spans()
         return self.index[space]
 
-    def _record(self, space: str, cid: int) -> Packed | None:
-        """Client ``cid``'s current record (the buffered one, or the one on disk), None: fresh."""
-        rec = self.pending.get((space, cid))
-        if rec is not None:
-            return rec
+    def _stored(self, space: str, cid: int) -> Record | None:
+        """Client ``cid``'s record on disk (None: it has none)."""
         num = int(self._space(space)[cid])
         if num < 0:
             return None
-        offset, length, skeleton, descs = self._segment_index(num)[space][cid]
-        buf = bytearray(length)
-        try:
-            with open(self.path(num), "rb") as fh:
-                fh.seek(offset)
-                fh.readinto(buf)
-        except OSError as err:
-            raise StoreError(f"cannot read client states from {self.path(num)}: {err.strerror or err}") from err
-        return Packed(skeleton, descs, buf)
+        span = tuple(int(v) for v in self.spans[space][cid])
+        if self._inflight is not None and self._inflight[0] == num:   # still being written
+            return self._inflight[1].record(span)
+        return read_record(self.path(num), *span)
 
     def _fresh(self, space: str, cid: int) -> dict:
         return self.new_state(cid) if space == self.CLIENT else {}
 
+    def _hand_out(self, key: tuple[str, int], header: bytes) -> None:
+        self._handed[key] = header
+        self._handed.move_to_end(key)
+        while len(self._handed) > self.HANDED_MAX:
+            self._handed.popitem(last=False)
+
+    @property
+    def pending_bytes(self) -> int:
+        return self.buffer.used
+
     def load(self, cid: int, space: str = ClientStore.CLIENT) -> dict:
-        rec = self._record(space, cid)
+        key = (space, cid)
+        span = self.pending.get(key)
+        rec = self.buffer.record(span) if span is not None else self._stored(space, cid)
         if rec is None:
-            return self._fresh(space, cid)
-        return unpack(rec, self.device, copy=(space, cid) in self.pending)
+            state = self._fresh(space, cid)
+            self._hand_out(key, pack(state, with_blob=False).header)
+            return state
+        if span is None:
+            self._hand_out(key, rec.header)
+        return unpack(rec, self.device, copy=False)  # a copy of the buffer, or a buffer just read: the step's own
 
     def save(self, cid: int, state: dict, space: str = ClientStore.CLIENT) -> None:
-        rec = pack(state)
-        before = self._record(space, cid)
-        if rec.same(before if before is not None else pack(self._fresh(space, cid))):
-            return  # unchanged: its record (or its fresh state) stands
-        old = self.pending.pop((space, cid), None)
-        self.pending_bytes -= len(old.blob) if old is not None else 0
-        self.pending[(space, cid)] = rec
-        self.pending_bytes += len(rec.blob)
-        if self.pending_bytes >= self.flush_bytes:
-            self.flush()
+        key = (space, cid)
+        lay = layout(state)
+        handed = self._handed.pop(key, None)
+        if not lay.blob_len and key not in self.pending and handed == lay.header:
+            return  # no tensors, and the header is the whole state: as it was loaded (a stateless method)
+        if self.buffer.used and self.buffer.used + lay.disk_bytes > max(self.segment_bytes, lay.disk_bytes):
+            self._rotate()   # make room first: a save is packed straight into the buffer
+        start = self.buffer.used
+        span = self.buffer.append(lay)
+        old = self.pending.get(key)
+        if old is not None:
+            unchanged = old[1:] == span[1:] and self.buffer.record(old).same(self.buffer.record(span))
+        else:
+            before = handed if handed is not None else self._current_header(space, cid)
+            unchanged = False
+            if before == lay.header:  # the same structure and plain values: compare the tensors' bytes
+                if not lay.blob_len:
+                    unchanged = True  # no tensors: the header is the whole state
+                else:
+                    stored = self._stored(space, cid)
+                    if stored is None:
+                        stored = pack(self._fresh(space, cid))
+                    unchanged = stored.blob == self.buffer.blob(span)
+        if unchanged:
+            self.buffer.truncate(start)  # its record (or its fresh state) stands
+            return
+        self.pending[key] = span  # a record it replaces in the buffer stays there, dead
+        if self.buffer.used >= self.segment_bytes:
+            self._rotate()
+
+    def _current_header(self, space: str, cid: int) -> bytes:
+        stored = self._stored(space, cid)
+        return stored.header if stored is not None else pack(self._fresh(space, cid), with_blob=False).header
 
     # ---- segments ----------------------------------------------------------------------------------
-    def _segment_index(self, num: int) -> dict:
-        idx = self._indexes.get(num)
-        if idx is None:
-            idx = read_segment_index(self.path(num))
-            self._indexes[num] = idx
-            while len(self._indexes) > 64:
-                self._indexes.popitem(last=False)
-        else:
-            self._indexes.move_to_end(num)
-        return idx
+    @property
+    def segment_bytes(self) -> int:
+        """A segment is written when its buffer holds this much: half the write buffer, since the
+        segment before it may still be in memory, being written."""
+        return self.flush_bytes // 2
 
     def flush(self) -> None:
+        """Write the buffered records and wait until every segment is on disk."""
+        self._rotate()
+        self._settle()
+
+    def _rotate(self) -> None:
+        """Hand the buffer to the writer as the next segment (if it holds a record that counts)."""
         if not self.pending:
+            self.buffer.clear()   # only records that changed nothing, or that later saves replaced
             return
         self._write_pending()
         self._collect()
         self._maybe_compact()
 
     def _write_pending(self) -> None:
+        """The buffer becomes segment ``len(names)``, written by a background thread: the write
+        (to the page cache, and when the system holds too many unwritten pages, to the device)
+        overlaps the next clients' steps; records are read from the buffer until it is done."""
         if self.read_only:
             raise StoreError(f"{self.root} is read-only here")
         self.open()
+        self._settle()   # one segment in flight at a time; a failed write is raised here
         num = len(self.names)
         name = f"seg-{self.token}-{num:06d}{SUFFIX}"
-        path = self.root / name
-        write_segment(path, self.pending)
+        buffer = self.buffer
         self.names.append(name)
-        self.counts.append(len(self.pending))
-        self.sizes.append(path.stat().st_size)
-        for space, cid in self.pending:
+        self.counts.append(buffer.records)
+        self.sizes.append(buffer.used)
+        for (space, cid), span in self.pending.items():
             self._space(space)[cid] = num
+            self.spans[space][cid] = span
         self.pending.clear()
-        self.pending_bytes = 0
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pfl-store-writer")
+        self._inflight = (num, buffer, self._writer.submit(buffer.write, self.root / name))
+        self.buffer = self._spare if self._spare is not None else SegmentBuffer()
+        self._spare = None
+
+    def _settle(self) -> None:
+        """Wait for the segment in flight to be on disk (raising the write's error)."""
+        if self._inflight is None:
+            return
+        num, buffer, write = self._inflight
+        try:
+            write.result()
+        finally:
+            self._inflight = None
+            buffer.clear()
+            self._spare = buffer
 
     def _live(self) -> np.ndarray:
         """Live records per segment (the index's)."""
@@ -263,10 +345,11 @@ class DiskStore(ClientStore):
         if self.read_only:
             return
         keep = set(np.flatnonzero(self._live()).tolist()) | self._pinned()
+        if self._inflight is not None:
+            keep.add(self._inflight[0])   # not on disk yet: deleted by a later collection if dead
         for num, name in enumerate(self.names):
             if name is not None and num not in keep:
                 (self.root / name).unlink(missing_ok=True)
-                self._indexes.pop(num, None)
                 self.names[num] = None
 
     def _maybe_compact(self, min_dead: int = 256 * 2**20) -> None:
@@ -284,19 +367,18 @@ class DiskStore(ClientStore):
         for num in victims:
             for space, arr in self.index.items():
                 for cid in np.flatnonzero(arr == num).tolist():
-                    rec = self._record(space, cid)
-                    self.pending[(space, cid)] = rec
-                    self.pending_bytes += len(rec.blob)
-            if self.pending_bytes >= self.flush_bytes:
+                    self.pending[(space, cid)] = self.buffer.append_record(self._stored(space, cid))
+            if self.buffer.used >= self.segment_bytes:
                 self._write_pending()
         if self.pending:
             self._write_pending()
+        self._settle()
         self._collect()
 
     # ---- snapshots and checkpoints -----------------------------------------------------------------
     def snapshot(self) -> DiskSnapshot:
         self.flush()
-        snap = DiskSnapshot({k: v.copy() for k, v in self.index.items()})
+        snap = DiskSnapshot({k: v.copy() for k, v in self.index.items()}, {k: v.copy() for k, v in self.spans.items()})
         self._snapshots.add(snap)
         return snap
 
@@ -307,9 +389,7 @@ class DiskStore(ClientStore):
         missing = [n for n in snapshot.segments() if n >= len(self.names) or self.names[n] is None]
         if missing:
             raise StoreError(f"a snapshot needs segments {missing} that {self.root} no longer has")
-        self.pending.clear()
-        self.pending_bytes = 0
-        self.index = {k: np.asarray(v, dtype=np.int32).copy() for k, v in snapshot.index.items()}
+        self._set_index(snapshot.index, snapshot.spans)
         self._snapshots.add(snapshot)
         self._collect()
 
@@ -329,18 +409,33 @@ class DiskStore(ClientStore):
                 link_or_copy(self.path(num), directory / self.names[num])
         return {"store": "disk", "format": DISK_FORMAT, "num_clients": self.num_clients,
                 "segments": {num: self.names[num] for num in sorted(needed)},
-                "next": len(self.names), "index": {k: v.copy() for k, v in self.index.items()}}
+                "counts": {num: self.counts[num] for num in sorted(needed)},
+                "next": len(self.names), "index": {k: v.copy() for k, v in self.index.items()},
+                "spans": {k: v.copy() for k, v in self.spans.items()}}
+
+    def _set_index(self, index: dict, spans: dict) -> None:
+        """Every space's index and spans from a snapshot or checkpoint (the write buffer dropped)."""
+        self._settle()
+        self.pending.clear()
+        self.buffer.clear()
+        self._handed.clear()
+        self.index = {k: np.asarray(v, dtype=np.int32).copy() for k, v in index.items()}
+        self.spans = {k: np.asarray(spans[k], dtype=np.int64).reshape(-1, 3).copy() for k in self.index}
 
     def adopt(self, part: dict, directory: Path) -> None:
         """Take over a checkpoint's segments (linked into this store's folder) and index."""
-        if part.get("format") != DISK_FORMAT or int(part["num_clients"]) != self.num_clients:
-            raise StoreError(f"the client states in {directory} are for {part.get('num_clients')} clients "
-                             f"(format {part.get('format')}), this run has {self.num_clients}")
+        self._settle()
+        if part.get("format") != DISK_FORMAT:
+            raise StoreError(f"the client states in {directory} are in disk format {part.get('format')}, which this "
+                             f"pfl no longer reads (it reads format {DISK_FORMAT}); finish that run with the pfl that "
+                             "wrote it, or start it again")
+        if int(part["num_clients"]) != self.num_clients:
+            raise StoreError(f"the client states in {directory} are for {part.get('num_clients')} clients, "
+                             f"this run has {self.num_clients}")
         keep = set(part["segments"].values())
         for name in self.names:  # this store's own segments the checkpoint does not have: stale now
             if name is not None and name not in keep and not self.read_only:
                 (self.root / name).unlink(missing_ok=True)
-        self._indexes.clear()
         self.token = uuid.uuid4().hex[:10]  # names of segments written from here on are new names
         self.names = [None] * int(part["next"])
         self.counts = [0] * len(self.names)
@@ -354,11 +449,9 @@ class DiskStore(ClientStore):
             if not self.read_only:
                 link_or_copy(src, self.root / name)
             self.names[int(num)] = name
-            self.counts[int(num)] = sum(len(v) for v in self._segment_index(int(num)).values())
+            self.counts[int(num)] = int(part["counts"][num])
             self.sizes[int(num)] = src.stat().st_size
-        self.pending.clear()
-        self.pending_bytes = 0
-        self.index = {k: np.asarray(v, dtype=np.int32).copy() for k, v in part["index"].items()}
+        self._set_index(part["index"], part["spans"])
 
     def read_checkpoint(self, part: Any, directory: Path, extra: Any = None) -> None:
         if not is_disk_part(part):
@@ -385,9 +478,7 @@ class DiskStore(ClientStore):
         return out
 
     def replace(self, states: Sequence[dict], memories: dict | None = None) -> None:
-        self.pending.clear()
-        self.pending_bytes = 0
-        self.index = {self.CLIENT: self._empty()}
+        self._set_index({self.CLIENT: self._empty()}, {self.CLIENT: self._no_spans()})
         for cid, state in enumerate(states):
             self.save(cid, state)
         for space, entries in (memories or {}).items():

@@ -26,16 +26,20 @@ class Population:
         self.malicious: frozenset[int] = frozenset(malicious_clients(ctx.cfg, ctx.num_clients))
         self.newcomers: frozenset[int] = frozenset(ctx.newcomers)
         self._eval_sample: list[int] | None = None
+        self._members: list[int] | None = None
 
     def sample(self, rnd: int) -> list[int]:
         """The clients of round ``rnd``: ``clients_per_round`` of the members (newcomers never)."""
         k = self.ctx.cfg.federation.clients_per_round
-        members = self.ctx.members
-        m = len(members)
+        m = self.ctx.num_members
         if k == 0 or k >= m:
-            return members
-        rng = self.ctx.rng(rnd, "sample")
-        return sorted(members[int(i)] for i in rng.choice(m, size=k, replace=False))
+            return self.ctx.members
+        picks = self.ctx.rng(rnd, "sample").choice(m, size=k, replace=False)
+        if self.newcomers:  # position i among the members; without newcomers member i is client i
+            if self._members is None:
+                self._members = self.ctx.members
+            return sorted(self._members[int(i)] for i in picks)
+        return sorted(int(i) for i in picks)  # O(k): no list of a 100,000-client population a round
 
     def evaluated(self, joined: bool, final: bool = True) -> list[int]:
         """The clients evaluated now: the members, and the newcomers once they have joined; before

@@ -48,6 +48,10 @@ from .store import ClientStore, memory_store, plan_store, release_heap, state_es
 from .wire import Chain, ClientSide, Stage, Wire, build_stages
 
 
+#: a disk-store run returns freed heap memory to the system after windows of this many bytes
+TRIM_BYTES = 64 * 2**20
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         if torch.cuda.is_available():
@@ -100,6 +104,7 @@ class Simulator:
         self.history: list[dict[str, float]] = []
         self.elapsed = 0.0
         self.last_client_table: list[dict] | None = None
+        self._untrimmed = 0.0   # bytes of windows since the heap was last trimmed (disk store)
         self.store = self._make_store(model)
         for stage in self.wire.stages.stages:  # a stage's per-client server memories live in the store
             if hasattr(stage, "bind_store"):
@@ -124,8 +129,13 @@ class Simulator:
                          self.device, self.plan.flush_bytes)
 
     def _next_window(self, cids: list[int]) -> None:
-        """Before an exchange's next clients (disk store): return freed memory, build their data."""
-        release_heap()
+        """Before an exchange's next clients (disk store): build their data, and every
+        :data:`TRIM_BYTES` of windows return the freed memory (trimming costs the page faults of
+        touching that memory again, so not every window)."""
+        self._untrimmed += self.plan.round_bytes
+        if self._untrimmed >= TRIM_BYTES:
+            release_heap()
+            self._untrimmed = 0.0
         self.data.prefetch(cids)
 
     # ---- clients -------------------------------------------------------------------------------
