@@ -248,33 +248,39 @@ def plot(rows: list[dict], path: Path) -> Path:
     return path
 
 
-def long_table(long_runs: dict[str, list[dict]], clients: int) -> str:
-    lines = ["| method | rounds done | s/round | CPU s/round | clients stored | segments | store MB |",
-             "|---|---|---|---|---|---|---|"]
+def long_table(long_runs: dict[str, list[dict]], refs: dict[str, float]) -> str:
+    """The long runs' blocks; x 1k: against the smallest population's s/round of the first table."""
+    lines = ["| method | rounds done | s/round | x 1k | CPU s/round | clients stored | segments | store MB |",
+             "|---|---|---|---|---|---|---|---|"]
     for method, blocks in long_runs.items():
         for b in blocks:
-            lines.append(f"| {method} | {b['rounds']:,} | {b['round_s']:.3f} | {b['round_cpu_s']:.3f} | "
+            ratio = f"{b['round_s'] / refs[method]:.2f}" if refs.get(method) else "—"
+            lines.append(f"| {method} | {b['rounds']:,} | {b['round_s']:.3f} | {ratio} | {b['round_cpu_s']:.3f} | "
                          f"{b['stored']:,} | {b['segments']} | {b['store_mb']:,.0f} |")
     return "\n".join(lines)
 
 
-def plot_long(long_runs: dict[str, list[dict]], clients: int, path: Path) -> Path:
+def plot_long(long_runs: dict[str, list[dict]], clients: int, refs: dict[str, float], path: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 3.6))
-    for method, blocks in long_runs.items():
+    fig, ax = plt.subplots(figsize=(7.5, 3.8))
+    for color, (method, blocks) in zip(plt.rcParams["axes.prop_cycle"].by_key()["color"], long_runs.items()):
         x = [b["rounds"] for b in blocks]
-        ax.plot(x, [b["round_s"] for b in blocks], marker="o", label=f"{method}: wall")
-        ax.plot(x, [b["round_cpu_s"] for b in blocks], marker=".", linestyle="--", label=f"{method}: CPU")
+        ax.plot(x, [b["round_s"] for b in blocks], marker="o", color=color, label=f"{method}: wall")
+        ax.plot(x, [b["round_cpu_s"] for b in blocks], marker=".", linestyle="--", color=color,
+                label=f"{method}: CPU (with the writer thread)")
+        if refs.get(method):
+            ax.axhline(1.3 * refs[method], color=color, linestyle=":", linewidth=1,
+                       label=f"{method}: 1.3 × s/round at the smallest population")
     ax.set_ylim(bottom=0)
     ax.set_xlabel("rounds done")
     ax.set_ylabel("s/round (mean over the block)")
     ax.set_title(f"s/round as the store fills ({clients:,} clients, 100 a round)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -354,7 +360,9 @@ def main(argv: list[str] | None = None) -> int:
     title = (f"== bench_scale: crowd source, MLP 256-128-10 ({PARAMS:,} parameters), 100 clients a round, "
              f"{args.rounds} rounds, client_memory_gb {args.budget_gb:g}, {cpus} CPUs ==")
     print("\n" + title + "\n" + text)
-    long_text = long_table(long_runs, max(args.populations)) if long_runs else ""
+    refs = {r["method"]: r["round_s"] for r in rows
+            if not r.get("skipped") and r["clients"] == smallest and r["store_choice"] == "auto"}
+    long_text = long_table(long_runs, refs) if long_runs else ""
     if long_text:
         print(f"\n== s/round as the store fills: {max(args.populations):,} clients, {args.long_rounds} rounds ==\n"
               + long_text)
@@ -386,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
             names = ["bench_scale.csv", "bench_scale.md", "bench_scale.png"]
             plot(rows, out / "bench_scale.png")
             if long_runs:
-                plot_long(long_runs, max(args.populations), out / "bench_scale_long.png")
+                plot_long(long_runs, max(args.populations), refs, out / "bench_scale_long.png")
                 names.append("bench_scale_long.png")
             for name in names:
                 tracker.log_artifact(out / name)

@@ -150,7 +150,24 @@ def run_digests(name: str) -> tuple[str, str]:
     assert loop.run().status == "FINISHED"
     metrics = {"history": sim.history, "clients": sim.last_client_table, "summary": loop.summary,
                "ledger": sim.ledger.state_dict()}
-    return _digest(_unmeasured(metrics)), _digest(_unmeasured(encode(sim.model_state())))
+    return _digest(_unmeasured(metrics)), _digest(_unmeasured(encode(_recorded_layout(sim.model_state()))))
+
+
+def _recorded_layout(state: dict) -> dict:
+    """``state`` in the layout the digests were recorded in: issue 27 moved the compression stage's
+    downlink mirrors from its state (``stages.compression.mirrors``) into the client store's memory
+    ``compression/mirror`` (``memories``); the tensors are the same."""
+    memories = dict(state.get("memories", {}))
+    mirrors = memories.pop("compression/mirror", None)
+    if mirrors is None:
+        return state
+    state = {k: v for k, v in state.items() if k != "memories"}
+    if memories:
+        state["memories"] = memories
+    stages = dict(state.get("stages", {}))
+    stages["compression"] = {**stages.get("compression", {}), "mirrors": mirrors}
+    state["stages"] = stages
+    return state
 
 
 def _unmeasured(value):

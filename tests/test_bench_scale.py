@@ -29,9 +29,13 @@ def test_bench_scale_measures_both_stores_and_a_long_run(tmp_path):
     assert rows[("fedavg", "300", "memory")][5] == "1.00 (1.00–1.00)"        # the reference of its own ratio
     assert rows[("ditto", "3,000", "disk")][2] == "disk"
     assert ("ditto", "300", "disk") in rows                                 # both stores on the same clients
-    long_rows = [line for line in lines if line.startswith("| ditto | ") and line.count("|") == 8]
-    stored = [int(line.split("|")[5].replace(",", "")) for line in long_rows]
+    long_rows = [[c.strip() for c in line.split("|")[1:-1]] for line in lines
+                 if line.startswith("| ditto | ") and line.count("|") == 9]
+    stored = [int(row[5].replace(",", "")) for row in long_rows]
     assert len(stored) == 4 and stored == sorted(stored) and 0 < stored[0] <= 100   # the store fills
+    reference = float(rows[("ditto", "300", "memory")][4])
+    for row in long_rows:   # x 1k: the block's s/round over the first table's smallest population's
+        assert float(row[3]) == pytest.approx(float(row[2]) / reference, abs=0.02)
     assert "not run: θ and v need" in proc.stdout                          # FPFC's limit, said
 
     import mlflow

@@ -534,3 +534,45 @@ def test_a_checkpoint_of_an_earlier_disk_format_is_refused_naming_it(tmp_path):
     torch.save(raw, tmp_path / "c.pt")
     with pytest.raises(CheckpointError, match="disk format 1"):
         load_checkpoint(build(small_config(method__name="ditto", federation__rounds=3), "disk"), tmp_path / "c.pt")
+
+
+# ---- the compression stage's downlink mirrors --------------------------------------------------------
+
+def compressed_down(**kw):
+    return small_config(method__name="fedavg", federation__rounds=4, compression__downlink={"name": "qsgd", "s": 3},
+                        compression__min_numel=32, **kw)
+
+
+def test_the_downlink_mirrors_live_in_the_store_not_in_the_stage(tmp_path):
+    """The server's copy of each client's replica is a memory of the client store: on disk with a
+    disk store, absent from the stage's (checkpointed, in-memory) state, equal to the replica."""
+    sim = build(compressed_down(), "disk")
+    run_rounds(sim)
+    assert "stages" not in sim.lineage_state()                     # nothing per client in the stage
+    mirrors = sim.store.memories()["compression/mirror"]
+    assert set(mirrors) == {c for r in range(4) for c in sim.sample(r)}
+    sim.store.flush()
+    assert (sim.store.index["compression/mirror"] >= 0).sum() == len(mirrors)   # written to segments
+    for cid, mirror in mirrors.items():
+        replica = sim.store.load(cid)["compression"]["replica"]
+        assert mirror.keys() == replica.keys() and all(torch.equal(mirror[k], replica[k]) for k in mirror)
+
+
+def test_a_checkpoint_with_the_mirrors_in_the_stage_state_resumes_exactly(tmp_path):
+    """Checkpoints written before the mirrors moved into the store kept them in the stage's state:
+    such a checkpoint resumes, and ends where the uninterrupted run ends."""
+    straight = build(compressed_down(), "memory")
+    run_rounds(straight)
+    first = build(compressed_down(), "memory")
+    run_rounds(first, until=2)
+    save_checkpoint(first, tmp_path / "c.pt")
+    raw = torch.load(tmp_path / "c.pt", weights_only=True)
+    part = raw["model"]["clients"]                                 # back to the earlier layout
+    raw["model"]["stages"] = {"compression": {"mirrors": part["memories"].pop("compression/mirror")}}
+    raw["model"]["clients"] = part["states"]
+    torch.save(raw, tmp_path / "c.pt")
+    for store in ("memory", "disk"):
+        resumed = build(compressed_down(), store)
+        load_checkpoint(resumed, tmp_path / "c.pt")
+        run_rounds(resumed)
+        assert_same_run(resumed, straight)

@@ -12,7 +12,9 @@ costs its :class:`~pfl.federation.messages.Encoded` payload's bits; the ledger c
 
 **Downlink: the change to the client's copy.** For a part the receiver keeps (``Model``, ``State``)
 the client holds a replica h of every compressible tensor (``client.state["compression"]["replica"]``)
-and the server an identical mirror per client (its stage state, checkpointed). The server sends
+and the server an identical mirror per client, kept in the run's client store (the memory
+``compression/mirror``: bounded by the store's budget, snapshotted and checkpointed with the client
+states, so a 100,000-client run does not hold 100,000 model copies in memory). The server sends
 C(x − h) and both sides set h ← h + α·C(x − h), with α = 1 for a contractive compressor and
 α = 1/(1 + ω) for an unbiased one (ω of that tensor, :meth:`Compressor.omega`). That is the
 *contractive form* C' of the compressor (:func:`~pfl.compression.compressors.contractive`): E‖v −
@@ -48,6 +50,7 @@ from typing import TYPE_CHECKING, Callable, Mapping
 import torch
 
 from ..federation.messages import Encoded, Entry, Message, Model, Part, Payload
+from ..federation.store import ClientMemory, LocalMemory
 from ..federation.wire import Only, Phase, Stage, register_stage
 from .compressors import Compressor, HalfPrecision, Identity, build, contractive
 
@@ -55,6 +58,7 @@ if TYPE_CHECKING:
     from ..methods.base import ClientHandle, Method
 
 STATE_KEY = "compression"
+MIRRORS = "compression/mirror"   # the client store's memory of the server's mirrors
 Params = dict[str, torch.Tensor]
 GeneratorFor = Callable[[str], torch.Generator]
 
@@ -188,7 +192,9 @@ class Codec(Stage):
         down = build(cfg.downlink)
         self.down = None if down is None else contractive(down)
         self.down_values = down               # parts the receiver does not keep: compressed as values
-        self.mirrors: dict[int, Params] = {}  # server: what each client's replicas hold (downlink)
+        # server: what each client's replicas hold (downlink); the run's store once bound
+        self._mirrors: ClientMemory = LocalMemory(MIRRORS)
+        self._legacy: dict[int, Params] = {}  # mirrors a checkpoint of an earlier pfl kept in this stage's state
         # server: the values it meant to send, for the encoded tensors of a trip not yet completed
         self.pending: dict[int, Params] = {}
         self._flushed = [0, 0]                # this round: non-zeros sent as 0 by fp16/bf16, non-zeros
@@ -196,6 +202,25 @@ class Codec(Stage):
     @property
     def active(self) -> bool:
         return self.up is not None or self.down is not None
+
+    def bind_store(self, store) -> None:
+        self._mirrors = store.memory(MIRRORS)
+
+    def mirror(self, cid: int) -> Params:
+        """What client ``cid``'s replicas hold, as the server keeps it (``{}`` before its first downlink)."""
+        kept = self._mirrors.load(cid)
+        legacy = self._legacy.pop(cid, None)
+        return dict(kept) if kept or legacy is None else legacy
+
+    @property
+    def mirrors(self) -> dict[int, Params]:
+        """Every client's mirror (inspection and tests: costs the population)."""
+        self._settle_legacy()
+        return self._mirrors.entries()
+
+    def _settle_legacy(self) -> None:
+        for cid in list(self._legacy):
+            self._mirrors.save(cid, self.mirror(cid))
 
     def _gen(self, rnd: int, cid: int, direction: str) -> GeneratorFor:
         return lambda name: self.ctx.generator(rnd, cid, "compress", direction, name)
@@ -206,7 +231,7 @@ class Codec(Stage):
         replica); the mirror moves as the replica will."""
         if self.down is None:
             return msg
-        mirror = self.mirrors.setdefault(cid, {})
+        mirror = self.mirror(cid)
         meant = self.pending.setdefault(cid, {})
         gen = self._gen(phase.rnd, cid, "down")
         parts: dict[str, Part] = {}
@@ -234,6 +259,7 @@ class Codec(Stage):
                     mirror[key] = ref + enc[key].decoded
                     meant[key] = t
             parts[pname] = part.replace(entries)
+        self._mirrors.save(cid, mirror)
         return msg.replace(parts)
 
     def receive_down(self, phase: Phase, client: "ClientHandle", msg: Message, notes: dict) -> Message:
@@ -267,7 +293,7 @@ class Codec(Stage):
         server knows it (the reference of the uplink models), and ``meant``, the values it encoded
         (the base a trained model's change is applied to)."""
         meant = self.pending.pop(cid, {})
-        mirror = self.mirrors.get(cid, {}) if self.down is not None else {}
+        mirror = self.mirror(cid) if self.down is not None else {}
         out: dict[str, Params] = {}
         for pname, part in msg.parts.items():
             view: Params = {}
@@ -352,17 +378,19 @@ class Codec(Stage):
         return out
 
     def state_dict(self) -> dict:
+        """The trips in flight (the asynchronous driver): the values they were meant to carry. The
+        mirrors are in the client store, whose part of a checkpoint is written after this one."""
         if self.down is None:
             return {}
-        out: dict = {"mirrors": {int(c): dict(m) for c, m in self.mirrors.items()}}
+        self._settle_legacy()
         pending = {int(c): dict(m) for c, m in self.pending.items() if m}
-        if pending:  # trips in flight (the asynchronous driver): the values they were meant to carry
-            out["pending"] = pending
-        return out
+        return {"pending": pending} if pending else {}
 
     def load_state_dict(self, state: dict) -> None:
         state = state or {}
-        self.mirrors = {int(c): dict(m) for c, m in state.get("mirrors", {}).items()}
+        # a checkpoint of an earlier pfl kept the mirrors here; the store that is restored after
+        # this replaces its memories, so they wait here until each is asked for or the next state_dict
+        self._legacy = {int(c): dict(m) for c, m in state.get("mirrors", {}).items()}
         self.pending = {int(c): dict(m) for c, m in state.get("pending", {}).items()}
 
 

@@ -106,9 +106,7 @@ class Simulator:
         self.last_client_table: list[dict] | None = None
         self._untrimmed = 0.0   # bytes of windows since the heap was last trimmed (disk store)
         self.store = self._make_store(model)
-        for stage in self.wire.stages.stages:  # a stage's per-client server memories live in the store
-            if hasattr(stage, "bind_store"):
-                stage.bind_store(self.store)
+        self.wire.stages.bind_store(self.store)  # a stage's per-client server memories live in the store
         runner = (Cohort(fed.cohort_chunk, vectorizable=method_cls.cohort == "vectorized", method=method_cls.name)
                   if self.vectorized else Sequential())
         self.exchange = Exchange(self.wire, self.store, runner, self._handle, window=self.plan.window,

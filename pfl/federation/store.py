@@ -63,6 +63,31 @@ class ClientMemory:
     def save(self, cid: int, value: dict) -> None:
         self.store.save(cid, value, self.name)
 
+    def entries(self) -> dict[int, dict]:
+        """Every client's non-empty entry (inspection and tests: costs the population)."""
+        return self.store.memories().get(self.name, {})
+
+
+class LocalMemory(ClientMemory):
+    """A per-client memory in a dict of its own: a stage's until it is bound to a run's store
+    (a stage used on its own, as tests do)."""
+
+    def __init__(self, name: str = "local"):
+        self.name = name
+        self._entries: dict[int, dict] = {}
+
+    def load(self, cid: int) -> dict:
+        return self._entries.get(cid, {})
+
+    def save(self, cid: int, value: dict) -> None:
+        if value:
+            self._entries[cid] = value
+        else:
+            self._entries.pop(cid, None)
+
+    def entries(self) -> dict[int, dict]:
+        return dict(self._entries)
+
 
 class ClientStore:
     """Every client's persistent state, by client id (see the module docstring).
@@ -300,5 +325,5 @@ def plan_store(fed, num_clients: int, members: int, state_bytes: int, data_bytes
     return StorePlan("disk", budget, budget - k * float(state_bytes) - flush, flush, k, round_bytes)
 
 
-__all__ = ["ClientMemory", "ClientStore", "GiB", "MemoryStore", "StoreError", "StorePlan", "choose_state_device",
+__all__ = ["ClientMemory", "ClientStore", "GiB", "LocalMemory", "MemoryStore", "StoreError", "StorePlan", "choose_state_device",
            "default_budget", "memory_part", "memory_store", "plan_store", "release_heap", "state_estimate"]

@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from ..config import ExperimentConfig
     from ..methods.base import ClientHandle, Method
     from .context import RunContext
+    from .store import ClientStore
 
 _DIRECTIONS = {"train": ("down", "up"), "eval": ("eval_down", "eval_up"), "join": ("join_down", "join_up")}
 
@@ -109,6 +110,11 @@ class Stage:
     def load_state_dict(self, state: dict) -> None:
         pass
 
+    def bind_store(self, store: "ClientStore") -> None:
+        """The run's client store, before any message: a stage that keeps something per client
+        (a downlink mirror) keeps it in a memory of the store (:meth:`ClientStore.memory`), bounded,
+        snapshotted and checkpointed with the client states."""
+
 
 class Chain(Stage):
     """Stages in order: senders' sides first to last, receivers' sides last to first; the state of
@@ -156,6 +162,10 @@ class Chain(Stage):
         for stage in self.stages:
             stage.load_state_dict((state or {}).get(stage.key, {}))
 
+    def bind_store(self, store):
+        for stage in self.stages:
+            stage.bind_store(store)
+
 
 class Wrapper(Stage):
     """A stage around another: the inner stage's name, state and metrics."""
@@ -172,6 +182,9 @@ class Wrapper(Stage):
 
     def load_state_dict(self, state):
         self.inner.load_state_dict(state)
+
+    def bind_store(self, store):
+        self.inner.bind_store(store)
 
 
 class Only(Wrapper):
