@@ -102,10 +102,10 @@ def load_run_state(sim, state: dict, directory: Path) -> dict:
                                                  "change on resume")
     extra = state.get("extra", {})
     part = state["model"]["clients"]
-    if is_disk_part(part) and sim.store.kind != "disk":  # written by a disk store, read into memory
-        part, extra = materialized(part, directory, extra, sim.store.new_state, sim.device)
-    sim.load_lineage_state(state["model"])
     try:
+        if is_disk_part(part) and sim.store.kind != "disk":  # written by a disk store, read into memory
+            part, extra = materialized(part, directory, extra, sim.store.new_state, sim.device)
+        sim.load_lineage_state(state["model"])
         sim.store.read_checkpoint(part, directory, extra)
     except StoreError as err:
         raise CheckpointError("--checkpoint", str(err)) from None

@@ -220,10 +220,6 @@ class DiskStore(ClientStore):
         while len(self._handed) > self.HANDED_MAX:
             self._handed.popitem(last=False)
 
-    @property
-    def pending_bytes(self) -> int:
-        return self.buffer.used
-
     def load(self, cid: int, space: str = ClientStore.CLIENT) -> dict:
         key = (space, cid)
         span = self.pending.get(key)
