@@ -12,8 +12,9 @@ cohorts, uplink and downlink compression, an attack, the newcomers' join, evalua
 (a fourth) the asynchronous driver.
 
 The digests are of float results, so they hold for this torch build (2.14.1) and for one CPU
-vendor: MKL takes other kernels on AMD than on Intel processors, which round differently (every
-digest differs between the two; nothing else does). They are kept per vendor (``/proc/cpuinfo``'s
+vendor: the same engine gives other bits on an AMD processor than on the Intel ones the first
+digests were recorded on (all four differ; no MKL or ATen instruction-set setting reproduced them,
+so the vendor's kernels are the likely cause). They are kept per vendor (``/proc/cpuinfo``'s
 ``vendor_id``) and the test skips, naming the vendor, on a processor none was recorded for. A
 different torch or BLAS may legitimately round differently too. Recompute them only for such a
 reason, never to make a refactor pass: ``python3 tests/test_behaviour_digest.py`` prints the current
