@@ -68,19 +68,25 @@ FEATURES, HIDDEN, CLASSES = 256, 128, 10
 PARAMS = FEATURES * HIDDEN + HIDDEN + HIDDEN * CLASSES + CLASSES
 
 
+def bench_config(spec: dict, rounds: int, **extra):
+    """The benchmark's run: ``spec``'s method and population on the crowd source, 100 clients a
+    round, no scheduled evaluation; ``extra``: more config keys."""
+    from pfl.resolver import load
+
+    return load(None, {
+        "data.source": "crowd", "data.num_clients": spec["clients"], "data.params.num_features": FEATURES,
+        "data.cache": False, "method.name": spec["method"], "model.name": "mlp", "model.params.hidden": [HIDDEN],
+        "federation.clients_per_round": 100, "federation.rounds": rounds,
+        "federation.eval_every": 10**6, "federation.local_epochs": 1, "federation.lr": 0.05,
+        "federation.client_store": spec["store"], "federation.client_memory_gb": spec["budget_gb"],
+        "federation.client_store_dir": spec["store_dir"], "tracking.enabled": False, **extra})
+
+
 def child_long(spec: dict) -> list[dict]:
     """One long run: s/round (wall and CPU) in ten blocks, and the store's size after each."""
     from pfl.federation.simulator import Simulator
-    from pfl.resolver import load
 
-    cfg = load(None, {
-        "data.source": "crowd", "data.num_clients": spec["clients"], "data.params.num_features": FEATURES,
-        "data.cache": False, "method.name": spec["method"], "model.name": "mlp", "model.params.hidden": [HIDDEN],
-        "federation.clients_per_round": 100, "federation.rounds": spec["rounds"] + 1,
-        "federation.eval_every": 10**6, "federation.local_epochs": 1, "federation.lr": 0.05,
-        "federation.client_store": spec["store"], "federation.client_memory_gb": spec["budget_gb"],
-        "federation.client_store_dir": spec["store_dir"], "tracking.enabled": False})
-    sim = Simulator(cfg)
+    sim = Simulator(bench_config(spec, spec["rounds"] + 1))
     block = max(spec["rounds"] // 10, 1)
     out, wall, cpu = [], 0.0, 0.0
     for done in range(1, spec["rounds"] + 1):
@@ -107,17 +113,9 @@ def child(spec: dict) -> dict:
     base_load = os.getloadavg()[0]
     from pfl.federation.checkpoint import clients_dir, save_checkpoint
     from pfl.federation.simulator import Simulator
-    from pfl.resolver import load
 
     base_rss = rss_mib()
-    cfg = load(None, {
-        "data.source": "crowd", "data.num_clients": spec["clients"], "data.params.num_features": FEATURES,
-        "data.cache": False, "method.name": spec["method"], "model.name": "mlp", "model.params.hidden": [HIDDEN],
-        "federation.clients_per_round": 100, "federation.rounds": spec["rounds"] + 10,
-        "federation.eval_every": 10**6, "federation.local_epochs": 1, "federation.lr": 0.05,
-        "federation.client_store": spec["store"], "federation.client_memory_gb": spec["budget_gb"],
-        "federation.client_store_dir": spec["store_dir"], "federation.eval_clients": 1000,
-        "tracking.enabled": False})
+    cfg = bench_config(spec, spec["rounds"] + 10, **{"federation.eval_clients": 1000})
     t_cfg = time.perf_counter()
     sim = Simulator(cfg)
     startup = time.perf_counter() - t0
@@ -301,6 +299,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-track", action="store_true")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    for name in ("rounds", "repeats", "long_rounds"):
+        if getattr(args, name) < (0 if name == "long_rounds" else 1):
+            parser.error(f"--{name.replace('_', '-')} must be at least {0 if name == 'long_rounds' else 1}, "
+                         f"got {getattr(args, name)}")
     if args.child:
         spec = json.loads(args.child)
         print(json.dumps(child_long(spec) if spec.get("long") else child(spec)))
