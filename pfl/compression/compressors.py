@@ -31,6 +31,8 @@ k = ⌈ratio·d⌉ (at least 1). ω (:meth:`Compressor.omega`) is the variance c
 ones, E‖C(v) − v‖² ≤ ω‖v‖²: QSGD min(b/s², √b/s) (the paper's, conservative), TernGrad (√b − 1)/2
 (exact), other (p, s) min(b^{1/r}/s, b^{2/r}/(4s²)) with r = min(p, 2), rand-k d/k − 1, natural 1/8.
 DIANA's, ADIANA's and MARINA's default step sizes are computed from it.
+
+The interface every compressor implements, :class:`Compressor`, and :class:`Scaled` are in :mod:`.base`.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import torch
 from ..federation.messages import Encoded
 from ..registry import Registry
 from ..schema import ConfigError, from_dict, hp, to_dict
+from .base import Compressor, Scaled
 
 FLOAT_BITS = 32
 
@@ -57,33 +60,6 @@ def _uniform(n: int, gen: torch.Generator | None, like: torch.Tensor) -> torch.T
     """n uniforms in [0, 1) from ``gen`` (drawn on the CPU, so a seed gives the same values on any
     device), as ``like``'s device and float32."""
     return torch.rand(n, generator=gen).to(like.device)
-
-
-class Compressor:
-    """Base class. Subclasses set ``name``, ``Params`` and implement :meth:`compress`."""
-
-    name: ClassVar[str] = ""
-    description: ClassVar[str] = ""
-    Params: ClassVar[type] = object
-    #: E C(v) = v and E‖C(v) − v‖² ≤ ω‖v‖² (:meth:`omega`)
-    unbiased: ClassVar[bool] = False
-    #: biased but contractive: E‖C(v) − v‖² ≤ (1 − δ)‖v‖² for some δ > 0 (top-k, unscaled rand-k,
-    #: scaled sign, half precision), so error feedback and downlink replicas may use it as it is
-    contractive: ClassVar[bool] = False
-
-    def __init__(self, params: Any):
-        self.p = params
-
-    def compress(self, v: torch.Tensor, gen: torch.Generator | None = None) -> Encoded:
-        """``v``: a 1-D float32 tensor. Returns the decoded vector (float32) and its bits."""
-        raise NotImplementedError
-
-    def omega(self, d: int) -> float:
-        """Variance constant ω of an unbiased compressor on a d-vector (inf when biased)."""
-        return 0.0 if self.unbiased else math.inf
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.p})"
 
 
 # ---- identity and half precision --------------------------------------------------------------
@@ -364,31 +340,6 @@ class Sign(Compressor):
 
 
 # ---- the contractive form ----------------------------------------------------------------------
-
-class Scaled(Compressor):
-    """C/(1 + ω) of an unbiased C: E‖v − C(v)/(1+ω)‖² = ‖v‖² − 2‖v‖²/(1+ω) + E‖C(v)‖²/(1+ω)²
-    ≤ (1 − 1/(1+ω))‖v‖², since E‖C(v)‖² ≤ (1 + ω)‖v‖² — contractive with δ = 1/(1 + ω), the best
-    δ of any multiple αC (docs/methods/compression.md §"Downlink"). Same bits as C."""
-
-    def __init__(self, inner: Compressor):
-        super().__init__(inner.p)
-        self.inner = inner
-        self.name = inner.name  # type: ignore[misc]
-
-    def compress(self, v: torch.Tensor, gen: torch.Generator | None = None) -> Encoded:
-        enc = self.inner.compress(v, gen)
-        return Encoded(enc.decoded / (1.0 + self.inner.omega(v.numel())), enc.bits, enc.values)
-
-    def bits(self, d: int) -> int:
-        return self.inner.bits(d)  # type: ignore[attr-defined]
-
-    @property
-    def contractive(self) -> bool:  # type: ignore[override]
-        return True
-
-    def __repr__(self) -> str:
-        return f"Scaled({self.inner!r})"
-
 
 def contractive(comp: Compressor) -> Compressor:
     """The form of ``comp`` that error feedback and downlink replicas use: ``comp`` itself when it is

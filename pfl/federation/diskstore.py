@@ -5,7 +5,7 @@ The store's *index* is one int32 array per space (client states, each server-sid
 segment holding each client's current record, −1 for none; beside it the record's *span* in that
 segment (offset, header and blob lengths: three int64), so loading a client is one read of its
 record. Saved records wait in a write buffer (``flush_bytes``) and go to disk together as one new
-segment.
+segment, written behind on a thread (:mod:`.segments`, which also deletes and compacts segments).
 
 **Fresh clients have no record.** A client without a record gets ``new_state(cid)`` (the method's
 ``init_client``) when it is loaded, and a save that leaves a state bit for bit as it was loaded
@@ -27,7 +27,6 @@ dead, the live records of sparse segments are rewritten into new ones (compactio
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 import tempfile
@@ -42,11 +41,10 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from .records import SUFFIX, Record, SegmentBuffer, layout, link_or_copy, pack, read_record, unpack
+from .records import Record, SegmentBuffer, layout, link_or_copy, pack, read_record, unpack
+from .segments import SegmentFiles
 from .state import checkpointable
 from .store import ClientStore, StoreError, memory_part
-
-log = logging.getLogger(__name__)
 
 DISK_FORMAT = 2   # 1: records described by a torch.save index at each segment's end (pfl of Nov 2026)
 
@@ -115,7 +113,7 @@ def materialized(part: dict, directory: Path, extra: Any, new_state: Callable[[i
 
 # ---- the store -------------------------------------------------------------------------------------
 
-class DiskStore(ClientStore):
+class DiskStore(SegmentFiles, ClientStore):
     """Client states in segment files under ``base`` (see the module docstring)."""
 
     kind = "disk"
@@ -266,110 +264,6 @@ class DiskStore(ClientStore):
     def _current_header(self, space: str, cid: int) -> bytes:
         stored = self._stored(space, cid)
         return stored.header if stored is not None else pack(self._fresh(space, cid), with_blob=False).header
-
-    # ---- segments ----------------------------------------------------------------------------------
-    @property
-    def segment_bytes(self) -> int:
-        """A segment is written when its buffer holds this much: half the write buffer, since the
-        segment before it may still be in memory, being written."""
-        return self.flush_bytes // 2
-
-    def flush(self) -> None:
-        """Write the buffered records and wait until every segment is on disk."""
-        self._rotate()
-        self._settle()
-
-    def _rotate(self) -> None:
-        """Hand the buffer to the writer as the next segment (if it holds a record that counts)."""
-        if not self.pending:
-            self.buffer.clear()   # only records that changed nothing, or that later saves replaced
-            return
-        self._write_pending()
-        self._collect()
-        self._maybe_compact()
-
-    def _write_pending(self) -> None:
-        """The buffer becomes segment ``len(names)``, written by a background thread: the write
-        (to the page cache, and when the system holds too many unwritten pages, to the device)
-        overlaps the next clients' steps; records are read from the buffer until it is done."""
-        if self.read_only:
-            raise StoreError(f"{self.root} is read-only here")
-        self.open()
-        self._settle()   # one segment in flight at a time; a failed write is raised here
-        num = len(self.names)
-        name = f"seg-{self.token}-{num:06d}{SUFFIX}"
-        buffer = self.buffer
-        self.names.append(name)
-        self.counts.append(buffer.records)
-        self.sizes.append(buffer.used)
-        for (space, cid), span in self.pending.items():
-            self._space(space)[cid] = num
-            self.spans[space][cid] = span
-        self.pending.clear()
-        if self._writer is None:
-            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pfl-store-writer")
-        self._inflight = (num, buffer, self._writer.submit(buffer.write, self.root / name))
-        self.buffer = self._spare if self._spare is not None else SegmentBuffer()
-        self._spare = None
-
-    def _settle(self) -> None:
-        """Wait for the segment in flight to be on disk (raising the write's error)."""
-        if self._inflight is None:
-            return
-        num, buffer, write = self._inflight
-        try:
-            write.result()
-        finally:
-            self._inflight = None
-            buffer.clear()
-            self._spare = buffer
-
-    def _live(self) -> np.ndarray:
-        """Live records per segment (the index's)."""
-        live = np.zeros(len(self.names), dtype=np.int64)
-        for arr in self.index.values():
-            used = arr[arr >= 0]
-            if used.size:
-                live += np.bincount(used, minlength=len(self.names))
-        return live
-
-    def _pinned(self) -> set[int]:
-        return set().union(*(s.segments() for s in list(self._snapshots)))
-
-    def _collect(self) -> None:
-        """Delete the segments neither the index nor a live snapshot needs."""
-        if self.read_only:
-            return
-        keep = set(np.flatnonzero(self._live()).tolist()) | self._pinned()
-        if self._inflight is not None:
-            keep.add(self._inflight[0])   # not on disk yet: deleted by a later collection if dead
-        for num, name in enumerate(self.names):
-            if name is not None and num not in keep:
-                (self.root / name).unlink(missing_ok=True)
-                self.names[num] = None
-
-    def _maybe_compact(self, min_dead: int = 256 * 2**20) -> None:
-        """When dead records hold more bytes than live ones (and at least ``min_dead``), rewrite the
-        live records of the unpinned segments that are mostly dead, a write buffer at a time."""
-        live = self._live()
-        on = [i for i, n in enumerate(self.names) if n is not None]
-        frac = {i: live[i] / max(self.counts[i], 1) for i in on}
-        dead = sum(self.sizes[i] * (1 - frac[i]) for i in on)
-        if dead < max(min_dead, sum(self.sizes[i] * frac[i] for i in on)):
-            return
-        pinned = self._pinned()
-        victims = [i for i in on if frac[i] < 0.5 and i not in pinned]
-        log.info("client store: compacting %d segments (%.0f MB dead)", len(victims), dead / 2**20)
-        for num in victims:
-            for space, arr in self.index.items():
-                for cid in np.flatnonzero(arr == num).tolist():
-                    self.pending[(space, cid)] = self.buffer.append_record(self._stored(space, cid))
-            if self.buffer.used >= self.segment_bytes:
-                self._write_pending()
-        if self.pending:
-            self._write_pending()
-        self._settle()
-        self._collect()
 
     # ---- snapshots and checkpoints -----------------------------------------------------------------
     def snapshot(self) -> DiskSnapshot:
