@@ -3,6 +3,7 @@
 Metric names (stable, logged to MLflow with ``step=round``):
 
 * ``val/acc_mean``, ``val/loss_mean`` — personalized models on each client's validation split;
+  ``val/acc_se`` the binomial standard error of ``val/acc_mean`` (regression: ``val/rmse_se``);
 * ``test/acc_mean``, ``test/acc_std``, ``test/acc_p10``, ``test/acc_worst``, ``test/acc_weighted``
   (sample-weighted), ``test/loss_mean``; regression reports ``*/rmse_mean`` instead of accuracy;
 * ``global/test_acc``, ``global/test_loss``, ``global/val_acc`` — the global model (when the method
@@ -37,6 +38,24 @@ def _summary(prefix: str, values: np.ndarray, full: bool = False) -> dict[str, f
     return out
 
 
+def _standard_error(name: str, values: np.ndarray, n: np.ndarray, binomial: bool) -> dict[str, float]:
+    """The standard error of the mean over clients of ``values`` (clients with a split only).
+
+    Accuracy (``binomial``): each client's accuracy a_i is a proportion over its n_i samples, so
+    var(mean) = Σ_i a_i(1 − a_i)/n_i / k² — the noise of the validation samples, which is what a
+    choice between two models on the same split must see past. A regression score has no such
+    form; its clients' spread over √k stands in.
+    """
+    ok = np.isfinite(values) & (n > 0)
+    k = int(ok.sum())
+    if k == 0:
+        return {}
+    if binomial:
+        a, m = values[ok], n[ok]
+        return {name: float(np.sqrt(np.sum(a * (1 - a) / m)) / k)}
+    return {name: float(values[ok].std(ddof=1) / np.sqrt(k)) if k > 1 else float("nan")}
+
+
 def evaluate_plan(client: "ClientHandle", plan: "EvalPlan", task: str, eval_global: bool = True) -> dict[str, float]:
     """One client's row: its personalized model (and the global and extra models of ``plan``) on
     its own validation and test splits. Runs client-side: only this client's data is read."""
@@ -44,7 +63,7 @@ def evaluate_plan(client: "ClientHandle", plan: "EvalPlan", task: str, eval_glob
     params, fwd = plan.personal, plan.forward
     val = client.evaluate(params, d.x_val, d.y_val, forward=fwd)
     test = client.evaluate(params, d.x_test, d.y_test, forward=fwd)
-    row = {"client": client.cid, "n_train": len(d.y_train), "n_test": test.n,
+    row = {"client": client.cid, "n_train": len(d.y_train), "n_val": val.n, "n_test": test.n,
            "cluster": -1 if d.cluster is None else int(d.cluster),
            "val_loss": val.loss, "val_acc": val.acc, "test_loss": test.loss, "test_acc": test.acc}
     glob = plan.global_model if eval_global else None
@@ -79,6 +98,7 @@ def summarize(rows: Sequence[dict], task: str) -> dict[str, float]:
     metrics.update(_summary("test/loss", col("test_loss")))
     if task == "classification":
         metrics.update(_summary("val/acc", col("val_acc")))
+        metrics.update(_standard_error("val/acc_se", col("val_acc"), col("n_val"), binomial=True))
         metrics.update(_summary("test/acc", col("test_acc"), full=True))
         if n_test.sum() > 0:
             metrics["test/acc_weighted"] = float(np.nansum(col("test_acc") * n_test) / n_test.sum())
@@ -87,6 +107,7 @@ def summarize(rows: Sequence[dict], task: str) -> dict[str, float]:
             metrics["global/val_acc"] = mean(col("global_val_acc"))
     else:
         metrics.update(_summary("val/rmse", np.sqrt(col("val_loss"))))
+        metrics.update(_standard_error("val/rmse_se", np.sqrt(col("val_loss")), col("n_val"), binomial=False))
         metrics.update(_summary("test/rmse", np.sqrt(col("test_loss")), full=True))
         if has_global:
             metrics["global/test_rmse"] = mean(np.sqrt(col("global_test_loss")))

@@ -16,10 +16,10 @@ from .methods import get_method
 
 RUN_METRICS = ("train/loss", "lr", "time/round_s", "time/elapsed_s")
 EVAL_METRICS = {
-    "classification": ("val/loss_mean", "test/loss_mean", "val/acc_mean", "test/acc_mean", "test/acc_std",
+    "classification": ("val/loss_mean", "test/loss_mean", "val/acc_mean", "val/acc_se", "test/acc_mean", "test/acc_std",
                        "test/acc_p10", "test/acc_worst", "test/acc_weighted", "global/test_acc",
                        "global/val_acc", "global/test_loss"),
-    "regression": ("val/loss_mean", "test/loss_mean", "val/rmse_mean", "test/rmse_mean", "test/rmse_std",
+    "regression": ("val/loss_mean", "test/loss_mean", "val/rmse_mean", "val/rmse_se", "test/rmse_mean", "test/rmse_std",
                    "test/rmse_p10", "test/rmse_worst", "global/test_rmse", "global/test_loss"),
 }
 ASYNC_METRICS = ("time/sim_clock", "async/arrivals")

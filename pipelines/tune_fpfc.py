@@ -5,16 +5,18 @@
     python pipelines/tune_fpfc.py --smoke               # ~3 minutes
     python pipelines/tune_fpfc.py --preset paper        # the paper's scale and N(0,1) start
     python pipelines/tune_fpfc.py --strategy separate   # only the separate strategy
-    python pipelines/tune_fpfc.py --direction descending # the other path order (docs/methods/fpfc.md §4)
+    python pipelines/tune_fpfc.py --direction ascending  # another path order (docs/methods/fpfc.md §4)
 
 The warm-up sweep searches the other hyperparameters of search_spaces/fpfc.yaml (Optuna); each
 trial walks the λ path (pfl/tune/lambda_path.py). With ``--seeds N`` the chosen setting's path is
 run on N − 1 more seeds. The separate strategy trains every λ the warm-up visited from scratch,
 with the chosen setting, on every seed. Every stage and every run ends on the same convergence
-rule. The comparison (pfl/tune/path_compare.py) counts both sides per setting and seed; the
-pipeline run (MLflow parent) holds the sweeps as children (trials below them), the tables
-(strategies.md / .csv / .parquet, per_lambda.csv) and the best warm-up trial's λ-path plot and
-per-λ metrics.
+rule (FPFC's ADMM residuals and validation). The comparison (pfl/tune/path_compare.py) counts both
+sides per setting and seed; the run closes with the recommended λ: the best validated model of
+everything it trained, whichever strategy produced it. The pipeline run (MLflow parent) holds the
+sweeps as children (trials below them), the tables (strategies.md / .csv / .parquet,
+per_lambda.csv), the best warm-up trial's λ-path plot and per-λ metrics, and the recommended
+model's metrics and tags.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pfl.schema import ConfigError, from_dict, to_dict  # noqa: E402
+from pfl.tune.path_settings import DIRECTIONS  # noqa: E402
 
 
 def apply_preset(space, name: str | None):
@@ -39,10 +42,12 @@ def apply_preset(space, name: str | None):
     if name not in space.presets:
         raise ConfigError("--preset", f"unknown preset {name!r}; allowed: {', '.join(sorted(space.presets))}")
     preset = space.presets[name]
-    unknown = set(preset) - {"config", "fixed", "search", "pipeline", "num_samples"}
+    unknown = set(preset) - {"scenario", "config", "fixed", "search", "pipeline", "num_samples"}
     if unknown:
         raise ConfigError(f"presets.{name}", f"unknown keys {sorted(unknown)}; "
-                                             "allowed: config, fixed, search, pipeline, num_samples")
+                                             "allowed: scenario, config, fixed, search, pipeline, num_samples")
+    if "scenario" in preset:  # another federation: its scenario replaces the file's
+        space.scenario = preset["scenario"]
     space.base = {**space.base, **preset.get("config", {})}
     space.fixed = {**space.fixed, **preset.get("fixed", {})}
     if "search" in preset:  # a preset's search replaces the file's (an empty one: a single setting)
@@ -59,10 +64,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="the 'smoke' preset (about 3 minutes)")
     parser.add_argument("--preset", help="a preset of the space file, e.g. paper")
     parser.add_argument("--strategy", default="both", choices=("warmup", "separate", "both"))
-    parser.add_argument("--direction", choices=("ascending", "descending"), help="override the path order")
+    parser.add_argument("--direction", nargs="+", choices=DIRECTIONS, metavar="DIRECTION",
+                        help=f"the path order ({', '.join(DIRECTIONS)}); several: the first is searched and "
+                             "recommended as the warm-up, the others walk at its chosen setting on every seed")
     parser.add_argument("--seeds", type=int, default=1, metavar="N",
                         help="seeds per strategy at the chosen (ρ, lr): the table's ± is over them (default 1: "
-                             "the warm-up search trials' spread)")
+                             "no spread)")
     parser.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                         help="dotted config overrides for every trial")
     parser.add_argument("--resume", action="store_true", help="continue an interrupted run of the same name")
@@ -101,7 +108,9 @@ def run(args, argv: list[str] | None = None) -> int:
     space = apply_preset(load_space(args.space), preset)
     pipeline = dict(space.pipeline)
     if args.direction:
-        pipeline["direction"] = args.direction
+        if len(set(args.direction)) != len(args.direction):
+            raise ConfigError("--direction", f"each direction once, got {' '.join(args.direction)}")
+        pipeline["direction"] = args.direction[0]
     settings = from_dict(PathSettings, pipeline, "pipeline")
     raw = base_config(space, args.set)
     check_space(space, raw, PATH_METRICS)  # everything validated before Ray starts
@@ -137,6 +146,7 @@ class Context:
         self.top = None
         self.best_config: dict = {}
         self.paths: list[dict] = []       # warm-up paths at the chosen (ρ, lr), one per seed
+        self.others: dict[str, list[dict]] = {}   # the other directions' paths at that setting, per seed
         self.search: list[dict] = []      # every trial of the (ρ, lr) search
         self.runs: list[dict] = []        # separate runs, one per λ and seed
         self.best_trial = None
@@ -148,7 +158,7 @@ class Context:
                            resume=args.resume, address=args.address, resources=resources,
                            storage=args.storage, pipeline_run_id=None, extra_metrics=PATH_METRICS)
 
-    def sweep(self, space, suffix: str, strategy: str, run_name: str, description: str):
+    def sweep(self, space, suffix: str, strategy: str, run_name: str, description: str, settings=None):
         from pfl.schema import to_dict
         from pfl.tune.fpfc_trainable import fpfc_path_trainable
         from pfl.tune.sweep import run_sweep
@@ -157,10 +167,11 @@ class Context:
         # `λ=0.6 separate`
         labels = {"label_prefix": "λ-path"} if strategy == "warmup" else {"label_prefix": "", "label_suffix": strategy}
         steered = ("method.lam", "federation.rounds") if strategy == "warmup" else ("federation.rounds",)
+        path = to_dict(settings or self.settings)
         result = run_sweep(space, name=f"{self.name}-{suffix}", trainable=fpfc_path_trainable,
-                           setup_extra={"path": to_dict(self.settings), "strategy": strategy},
+                           setup_extra={"path": path, "strategy": strategy},
                            parent_tags={"pfl.strategy": strategy}, run_name=run_name, description=description,
-                           steered=steered, extra_params={f"path.{k}": v for k, v in to_dict(self.settings).items()},
+                           steered=steered, extra_params={f"path.{k}": v for k, v in path.items()},
                            **labels, **{**self.common, "pipeline_run_id": self.top.run_id})
         self.walls[suffix] = result.wall_s
         if result.status != "FINISHED":
@@ -174,10 +185,9 @@ class Context:
         if result.parent_run_id:
             client().set_tag(result.parent_run_id, "pfl.selected_lambda", " ".join(f"{v:g}" for v in lams))
 
-    def ok_rows(self, table):
-        return [row for _, row in table.iterrows() if row["status"] == "OK"]
-
     def warmup(self) -> int:
+        from pfl.tune.path_records import best_row, ok_rows, path_record
+
         s = self.settings
         print(f"\n== warmup strategy: λ path {s.ordered()} ({s.direction}), searched over "
               f"{', '.join(self.space.search) or 'nothing'} ==")
@@ -190,9 +200,9 @@ class Context:
         if code:
             return code
         self.best_config = dict(result.best_config)
-        self.search = [self.path_record(row, stages=False) for row in self.ok_rows(result.table)]
+        self.search = [path_record(row, self.metric, self.seeds[0], stages=False) for row in ok_rows(result.table)]
         self.best_trial = best_row(result.table, self.metric, self.sign)
-        self.paths.append(self.path_record(self.best_trial, stages=True))
+        self.paths.append(path_record(self.best_trial, self.metric, self.seeds[0], stages=True))
         self.mark_selected(result, [self.paths[0]["selected_lambda"]])
         if len(self.seeds) > 1:
             print(f"\n== warmup strategy: the chosen setting on seeds {self.seeds[1:]} ==")
@@ -203,17 +213,38 @@ class Context:
             result, code = self.sweep(space, "warmup-seeds", "warmup", "λ-path seeds", about)
             if code:
                 return code
-            self.paths += [self.path_record(row, stages=True) for row in self.ok_rows(result.table)]
+            self.paths += [path_record(row, self.metric, self.seeds[0], stages=True) for row in ok_rows(result.table)]
+        return self.other_directions()
+
+    def other_directions(self) -> int:
+        """The other path orders of ``--direction``, each at the chosen setting on every seed."""
+        import dataclasses
+
+        from pfl.tune.path_records import ok_rows, path_record
+
+        for direction in (self.args.direction or [])[1:]:
+            settings = dataclasses.replace(self.settings, direction=direction)
+            order = " → ".join(f"{v:g}" for v in settings.ordered())
+            print(f"\n== warmup strategy, {direction}: λ path {order} at the chosen setting, seeds {self.seeds} ==")
+            space = with_search(self.space, self.best_config, {"seed": self.seeds} if len(self.seeds) > 1 else {})
+            about = (f"Warm-up strategy, another order: one λ path ({order}, {direction}) per seed at the setting the "
+                     f"{self.settings.direction} path's search chose")
+            result, code = self.sweep(space, f"warmup-{direction}", "warmup", f"λ-path {direction}", about, settings)
+            if code:
+                return code
+            self.others[direction] = [path_record(row, self.metric, self.seeds[0], stages=True)
+                                      for row in ok_rows(result.table)]
         return 0
 
     def separate(self) -> int:
         from pfl.tune.path_compare import separate_per_seed
+        from pfl.tune.path_records import ok_rows, run_record
 
         # every λ the warm-up visited (the grid, and any λ it extended the grid by)
         # larger λ first: on S1 their fused models take longest to converge, and started last they would
         # run alone at the end while the other CPU idles (the order changes no result)
-        grid = sorted(set(self.settings.lambdas) | {st["lambda"] for p in self.paths for st in p["stages"]},
-                      reverse=True)
+        paths = self.paths + [p for group in self.others.values() for p in group]
+        grid = sorted(set(self.settings.lambdas) | {st["lambda"] for p in paths for st in p["stages"]}, reverse=True)
         search = {"method.lam": grid, **({"seed": self.seeds} if len(self.seeds) > 1 else {})}
         print(f"\n== separate strategy: every λ of {grid} from scratch until convergence "
               f"(at most {self.settings.budget} rounds), seeds {self.seeds} ==")
@@ -227,44 +258,14 @@ class Context:
         if code:
             return code
         self.separate_table = result.table
-        self.runs = [self.run_record(row) for row in self.ok_rows(result.table)]
+        self.runs = [run_record(row, self.metric, self.seeds[0]) for row in ok_rows(result.table)]
         failed = len(result.table) - len(self.runs)
         if failed:
             print(f"separate: {failed} run(s) failed and are not counted (see the sweep's table)")
-        per_seed = separate_per_seed(self.runs, self.sign)
+        per_seed = separate_per_seed(self.runs, self.sign, self.settings.noise_se)
         if per_seed:
             self.mark_selected(result, [s["selected_lambda"] for s in per_seed])
         return 0
-
-    # ---- records -------------------------------------------------------------------------------
-    def _common(self, row) -> dict:
-        test = self.metric.replace("val/", "test/")
-        return {"seed": int(row["seed"]) if "seed" in row and row["seed"] == row["seed"] else self.seeds[0],
-                "val": float(row[self.metric]), "test": float(row.get(test, float("nan"))),
-                "clusters": float(row.get("cluster/num", float("nan"))),
-                "ari": float(row.get("cluster/ari", float("nan"))),
-                "rounds": float(row["fpfc/total_rounds"]), "compute_s": float(row["fpfc/cpu_s"]),
-                "converged": float(row["fpfc/converged"])}
-
-    def path_record(self, row, stages: bool) -> dict:
-        record = {**self._common(row), "selected_lambda": float(row["fpfc/selected_lambda"]),
-                  "playoff_rounds": float(row.get("fpfc/playoff_total_rounds", 0)),
-                  "final_rounds": float(row.get("fpfc/final_rounds", 0)),
-                  "decline_reached": float(row.get("fpfc/decline_reached", float("nan"))), "stages": [],
-                  "run_id": row["mlflow_run_id"]}
-        if stages:
-            nan = float("nan")
-            test = self.metric.replace("val/", "test/")
-            record["stages"] = [{"lambda": st["lambda"], "rounds": st.get("rounds", nan),
-                                 "converged": st.get("converged", 0.0), "val": st.get(self.metric, nan),
-                                 "test": st.get(test, nan), "clusters": st.get("cluster/num", nan),
-                                 "ari": st.get("cluster/ari", nan), "lineage": st.get("lineage", nan),
-                                 "compute_s": st.get("cpu_s", nan)}
-                                for st in stage_history(row["mlflow_run_id"])]
-        return record
-
-    def run_record(self, row) -> dict:
-        return {**self._common(row), "lambda": float(row["method.lam"])}
 
 
 TITLE = "FPFC λ tuning: warm-started path vs separate runs, to convergence (cf. the paper's Fig. 6, Table 2)"
@@ -277,30 +278,41 @@ VIEW_COLUMNS = [("metrics", "val/acc_mean"), ("metrics", "test/acc_mean"), ("tag
 
 
 def finish(ctx, wall: float) -> int:
-    """The comparison tables (printed, and on the pipeline run with the plots), the selected model's
-    metrics under the trials' names, and tags that say what each strategy selected."""
+    """The comparison tables, the stage report and the recommendation (printed, and on the pipeline
+    run with the plots), the recommended model's metrics under the trials' names, and tags that say
+    what each strategy selected and what the pipeline recommends."""
     import textwrap
 
     import pandas as pd
 
     from pfl.tracking import run_hint, runs_table_view
-    from pfl.tune.path_compare import explanation, markdown, per_lambda, separate_per_seed, strategy_row, verdict
+    from pfl.tune.path_compare import (explanation, markdown, per_lambda, recommend, recommendation_line,
+                                       separate_per_seed, strategy_row, verdict)
+    from pfl.tune.path_records import stage_history, stage_lines
     from pfl.tune.path_report import plot_path, plot_selection, stage_metrics
 
-    rows = []
-    separate_seeds = separate_per_seed(ctx.runs, ctx.sign) if ctx.runs else []
-    if ctx.paths:
-        rows.append(strategy_row("warmup", ctx.paths, noise_from=ctx.search))
-    if separate_seeds:
-        rows.append(strategy_row("separate", separate_seeds))
+    groups = {"warmup": ctx.paths, **{f"warmup-{d}": group for d, group in ctx.others.items()}}
+    separate_seeds = separate_per_seed(ctx.runs, ctx.sign, ctx.settings.noise_se) if ctx.runs else []
+    rows = [strategy_row(name, group) for name, group in groups.items() if group]
+    sep = strategy_row("separate", separate_seeds) if separate_seeds else None
     lambdas = per_lambda(ctx.paths, ctx.runs)
-    notes = explanation(ctx.settings, rows, ctx.search, ctx.walls)
-    closing = [verdict(*rows)] if len(rows) == 2 else []
-    tables = markdown(rows, lambdas)
-    text = "\n".join([f"== {TITLE} ==", tables, ""] + [textwrap.fill(n, 100, subsequent_indent="  ")
-                                                        for n in notes + closing])
-    document = "\n".join([f"# {TITLE}", "", *(f"**{c}**\n" for c in closing), tables, "",
-                          "## How each figure was counted", "", *(f"- {n}" for n in notes)])
+    notes = explanation(ctx.settings, rows[:1] + ([sep] if sep else []), ctx.search, ctx.walls)
+    if ctx.others:
+        notes.insert(1, "warmup-<order>: the same path in another order (" + ", ".join(ctx.others) + ") at the setting "
+                     f"the {ctx.settings.direction} path's search chose, on every seed; rows named warmup are "
+                     f"{ctx.settings.direction}.")
+    rec = recommend(groups, ctx.runs, ctx.sign, ctx.settings.noise_se)
+    closing = ([verdict(row, sep) for row in rows] if sep else []) + ([recommendation_line(rec)] if rec else [])
+    warnings = [f"warning ({name}, seed {p['seed']}): the path's partition froze while λ grew (stage report: ARI "
+                "1.00 between consecutive stages); a larger λ cannot re-fuse pairs already farther apart than aλ"
+                for name, group in groups.items() for p in group if p.get("frozen") == 1]
+    rows += [sep] if sep else []
+    report = stage_lines(ctx.paths[0], ctx.settings.direction) if ctx.paths and ctx.paths[0]["stages"] else []
+    tables = markdown(rows, lambdas) + ("\n\n" + "\n".join(report) if report else "")
+    wrap = [textwrap.fill(n, 100, subsequent_indent="  ") for n in notes + warnings + closing]
+    text = "\n".join([f"== {TITLE} ==", tables, ""] + wrap)
+    document = "\n".join([f"# {TITLE}", "", *(f"**{c}**\n" for c in closing), *(f"*{w}*\n" for w in warnings),
+                          tables, "", "## How each figure was counted", "", *(f"- {n}" for n in notes)])
     top = ctx.top
     playoff = stage_history(ctx.best_trial["mlflow_run_id"], "playoff/") if ctx.best_trial is not None else []
     with tempfile.TemporaryDirectory() as tmp:
@@ -314,8 +326,7 @@ def finish(ctx, wall: float) -> int:
         for fname in ("strategies.parquet", "strategies.csv", "per_lambda.csv", "strategies.md"):
             top.log_artifact(out / fname)
         if ctx.best_trial is not None:
-            run_id = ctx.best_trial["mlflow_run_id"]
-            stages = stage_history(run_id)
+            stages = stage_history(ctx.best_trial["mlflow_run_id"])
             step = 0
             for stage in stages:  # step = rounds of the path so far, as in the trial's run
                 step += int(stage.get("rounds", 0))
@@ -342,18 +353,15 @@ def finish(ctx, wall: float) -> int:
             metrics[f"{name}/{base}{sd}"] = float(value)
         top.log_metrics(metrics)
         top.set_tags({f"selected_lambda.{name}": " ".join(f"{v:g}" for v in row["selected_lambda"])})
-    selected = selected_trial(ctx)
-    if selected is not None:
-        # the model the pipeline selected (the warm-up's best path; the separate strategy's best run
-        # when only it ran), under its trials' metric names: one runs-table column compares all levels
-        top.log_metrics({k: float(selected[k]) for k in selected.index
-                         if "/" in k and isinstance(selected[k], (int, float)) and selected[k] == selected[k]})
-        lam = selected["fpfc/selected_lambda"] if "fpfc/selected_lambda" in selected else selected["method.lam"]
-        top.set_tags({"pfl.selected_lambda": f"{float(lam):g}", "pfl.selected_trial": str(selected["trial"]),
-                      "pfl.selected_run_id": str(selected["mlflow_run_id"])})
-    if len(rows) == 2 and rows[0]["rounds"] and rows[0]["compute_s"]:
-        top.log_metrics({"speedup/rounds": rows[1]["rounds"] / rows[0]["rounds"],
-                         "speedup/compute": rows[1]["compute_s"] / rows[0]["compute_s"]})
+    if ctx.paths:
+        top.set_tags({"pfl.selected_lambda": f"{ctx.paths[0]['selected_lambda']:g}",
+                      "pfl.selected_trial": str(ctx.best_trial["trial"]),
+                      "pfl.selected_run_id": str(ctx.best_trial["mlflow_run_id"])})
+    if rec:
+        log_recommendation(ctx, top, rec)
+    if sep and ctx.paths and rows[0]["rounds"] and rows[0]["compute_s"]:
+        top.log_metrics({"speedup/rounds": sep["rounds"] / rows[0]["rounds"],
+                         "speedup/compute": sep["compute_s"] / rows[0]["compute_s"]})
     top.log_metrics({"search/paths": float(len(ctx.search)), "search/rounds": sum(r["rounds"] for r in ctx.search),
                      "pipeline/wall_s": wall})
     top.set_tags({"pfl.status": "finished", "mlflow.note.content": overview(ctx, rows, closing)})
@@ -367,18 +375,18 @@ def finish(ctx, wall: float) -> int:
     return 0
 
 
-def selected_trial(ctx):
-    """The table row of the trial whose model the pipeline selected: the warm-up's best path, or with
-    only the separate strategy the first seed's best λ."""
-    if ctx.best_trial is not None:
-        return ctx.best_trial
-    table = ctx.separate_table
-    if table is None or not len(table):
-        return None
-    ok = table[table["status"] == "OK"]
-    if "seed" in ok:
-        ok = ok[ok["seed"] == ctx.seeds[0]]
-    return best_row(ok, ctx.metric, ctx.sign) if len(ok) else None
+def log_recommendation(ctx, top, rec: dict) -> None:
+    """The recommended model on the pipeline run: tags, its figures over seeds (``recommended/*``) and
+    the first seed's model's metrics under its trial's names (one runs-table column for all levels)."""
+    from pfl.tracking import client
+
+    top.set_tags({"pfl.recommended_lambda": " ".join(f"{v:g}" for v in rec["lambdas"]),
+                  "pfl.recommended_strategy": rec["strategy"], "pfl.recommended_run_id": rec["run_ids"][0]})
+    top.log_metrics({f"recommended/{k}{sd}": float(rec[k + sd]) for k in ("val", "test", "clusters", "ari")
+                     for sd in ("", "_sd") if rec[k + sd] == rec[k + sd]})
+    chosen = client().get_run(rec["run_ids"][0]).data.metrics
+    top.log_metrics({k: float(v) for k, v in chosen.items()
+                     if "/" in k and not k.startswith(("stage/", "playoff/")) and v == v})
 
 
 def overview(ctx, rows: list[dict], closing: list[str]) -> str:
@@ -388,7 +396,9 @@ def overview(ctx, rows: list[dict], closing: list[str]) -> str:
 
     parts = ["FPFC's λ tuning: a warm-started λ path against every λ trained from scratch (the paper's Table 2). "
              "The sweeps are child runs, their trials grandchildren. `val/acc_mean`, `test/acc_mean`, `cluster/*` "
-             "here are the selected model's (tag `pfl.selected_trial`), as on its trial and sweep.", ""]
+             "here are the recommended model's (tag `pfl.recommended_run_id`: the best validated model of "
+             "everything the pipeline trained), as on its trial; `recommended/*` are its figures over the seeds.",
+             ""]
     parts += [*(f"**{c}**\n" for c in closing), markdown(rows, []), "",
               "Per λ and how each figure was counted: `strategies.md`; the λ choice of both strategies: "
               "`plots/lambda_selection.png`."]
@@ -430,26 +440,6 @@ def stopped(strategy: str, result, space, top, argv) -> int:
     top.set_tags({"pfl.status": result.status.lower()})
     top.end("KILLED" if result.status == "INTERRUPTED" else "FAILED")
     return code
-
-
-def best_row(table, metric: str = "val/acc_mean", sign: float = 1.0):
-    ok = table[table["status"] == "OK"]
-    if not len(ok):
-        raise RuntimeError("every trial failed; see the MLflow runs' pfl.failure tags")
-    return ok.sort_values(metric, ascending=sign < 0).iloc[0]
-
-
-def stage_history(run_id: str, prefix: str = "stage/") -> list[dict]:
-    """The per-λ stage metrics a warmup trial logged (one step per stage end; ``playoff/``: per finalist)."""
-    from pfl.tracking import client
-    from pfl.tune.path_report import STAGE_METRICS
-
-    mc = client()
-    stages: dict[int, dict] = {}
-    for key, name in STAGE_METRICS.items():
-        for m in mc.get_metric_history(run_id, prefix + name):
-            stages.setdefault(m.step, {})[key] = m.value
-    return [stages[i] for i in sorted(stages)]
 
 
 if __name__ == "__main__":

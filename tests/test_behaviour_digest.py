@@ -157,7 +157,12 @@ def run_digests(name: str) -> tuple[str, str]:
 def _recorded_layout(state: dict) -> dict:
     """``state`` in the layout the digests were recorded in: issue 27 moved the compression stage's
     downlink mirrors from its state (``stages.compression.mirrors``) into the client store's memory
-    ``compression/mirror`` (``memories``); the tensors are the same."""
+    ``compression/mirror`` (``memories``); the tensors are the same. Issue 38 added FPFC's
+    ``theta_rowsum``, left out."""
+    # FPFC's Dᵀθ at the last residual report (issue 38): new state, a function of θ's history
+    server = state.get("server", {})
+    if "theta_rowsum" in server:
+        state = {**state, "server": {k: v for k, v in server.items() if k != "theta_rowsum"}}
     memories = dict(state.get("memories", {}))
     mirrors = memories.pop("compression/mirror", None)
     if mirrors is None:
@@ -171,11 +176,20 @@ def _recorded_layout(state: dict) -> dict:
     return state
 
 
+#: what runs report that they did not when the digests were recorded, left out so that everything
+#: else is still compared bit for bit (issue 38: FPFC's ADMM residuals every round, the validation
+#: estimate's standard error and each client's validation count)
+ADDED_SINCE = frozenset({"fpfc/primal_residual", "fpfc/dual_residual", "fpfc/primal_scale", "fpfc/dual_scale",
+                         "fpfc/glued_clusters", "val/acc_se", "val/rmse_se", "n_val"})
+
+
 def _unmeasured(value):
-    """``value`` without wall-clock durations (they differ between runs; the simulated clock stays)."""
+    """``value`` without wall-clock durations (they differ between runs; the simulated clock stays)
+    and without the keys added since the digests were recorded."""
     if isinstance(value, dict):
         return {k: _unmeasured(v) for k, v in value.items()
-                if not (isinstance(k, str) and ("time" in k or "seconds" in k) and k != "time/sim_clock")}
+                if not (isinstance(k, str) and ("time" in k or "seconds" in k) and k != "time/sim_clock")
+                and k not in ADDED_SINCE}
     if isinstance(value, (list, tuple)):
         return type(value)(_unmeasured(v) for v in value)
     return value

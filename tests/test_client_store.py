@@ -228,7 +228,7 @@ def test_the_lambda_path_on_a_disk_store_resumes_mid_path(tmp_path):
                 raise KeyboardInterrupt
 
     settings = PathSettings(lambdas=[0.2, 0.4, 0.6], eval_every=2, stage_cap=4, window=1, tolerance=1.0,
-                            patience=5, extend=0, finalists=2, playoff_rounds=2, budget=12)
+                            residual_tol=0.0, patience=5, extend=0, finalists=2, playoff_rounds=2, budget=12)
 
     def loop(store, extra=()):
         sim = build(small_config(method__name="fpfc", data__val_fraction=0.2, federation__rounds=12), store)

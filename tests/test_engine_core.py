@@ -225,7 +225,7 @@ def test_lambda_path_interrupted_mid_path_resumes_from_its_checkpoint(tmp_path):
     cfg = small_config(method__name="fpfc", data__val_fraction=0.2, federation__rounds=12,
                        tracking__enabled=True, tracking__experiment="path")
     settings = PathSettings(lambdas=[0.2, 0.4, 0.6], eval_every=2, stage_cap=4, window=1, tolerance=1.0,
-                            patience=5, extend=0, finalists=2, playoff_rounds=2, budget=12)
+                            residual_tol=0.0, patience=5, extend=0, finalists=2, playoff_rounds=2, budget=12)
     straight, straight_path, _ = _path_loop(cfg, settings, tmp_path / "a")
     straight.run(until=math.inf)
     # interrupted in the playoff (after the 12 path rounds, which reach the budget, and one playoff round)
@@ -262,7 +262,7 @@ def test_every_param_of_a_lambda_path_trial_is_the_value_the_run_used(tmp_path):
     cfg = small_config(method__name="fpfc", data__val_fraction=0.2, federation__rounds=12,
                        tracking__enabled=True, tracking__experiment="params")
     settings = PathSettings(lambdas=[0.2, 0.4], eval_every=2, stage_cap=4, window=1, tolerance=1.0,
-                            patience=5, extend=0, finalists=1, budget=10)
+                            residual_tol=0.0, patience=5, extend=0, finalists=1, budget=10)
     loop, path, logger = _path_loop(cfg, settings, tmp_path)
     assert loop.run(until=math.inf).status == "FINISHED"
     params = client().get_run(logger.run_id).data.params
@@ -271,4 +271,5 @@ def test_every_param_of_a_lambda_path_trial_is_the_value_the_run_used(tmp_path):
     assert params["method.lam"] == str(loop.summary["fpfc/selected_lambda"]) == used["method.lam"]
     assert params["federation.rounds"] == used["federation.rounds"] != str(cfg.federation.rounds)
     assert params.pop("path.lambdas_run") == "0.2 0.4"
+    assert params.pop("path.end") in ("decline", "extension limit", "budget")
     assert params == used

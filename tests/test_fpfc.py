@@ -104,6 +104,85 @@ def test_zeta_equals_direct_formula():
         torch.testing.assert_close(got[pos], direct)
 
 
+def test_admm_residuals_equal_a_hand_computation_on_three_devices():
+    from pfl.methods.fpfc_admm import Residuals
+
+    W = torch.tensor([[1.0, 0.0], [0.0, 1.0], [2.0, 2.0]])
+    theta, v = torch.zeros(3, 3, 2), torch.zeros(3, 3, 2)
+    for (i, j), t, d in [((0, 1), [0.5, -0.5], [1.0, 0.0]), ((0, 2), [-1.0, -1.0], [0.0, 2.0]),
+                         ((1, 2), [-2.0, -1.0], [1.0, 1.0])]:
+        theta[i, j], theta[j, i] = torch.tensor(t), -torch.tensor(t)
+        v[i, j], v[j, i] = torch.tensor(d), -torch.tensor(d)
+    out, rowsum = Residuals().report(W, theta, v, rho=2.0, rowsum_before=torch.zeros(3, 2))
+    # w_i − w_j − θ_ij: (1,−1) − (0.5,−0.5) = (0.5,−0.5); (−1,−2) − (−1,−1) = (0,−1); (−2,−1) − (−2,−1) = 0
+    assert out["fpfc/primal_residual"] == pytest.approx(1.5 ** 0.5)
+    # Σ_j θ_ij per device: (−0.5,−1.5), (−0.5,0.5) + (−2,−1) = (−2.5,−0.5), (1,1) + (2,1) = (3,2); from θ = 0
+    assert out["fpfc/dual_residual"] == pytest.approx(2.0 * 22 ** 0.5)
+    # Σ_{i<j} ‖w_i − w_j‖² = ‖(1,−1)‖² + ‖(−1,−2)‖² + ‖(−2,−1)‖² = 12 beats Σ_{i<j} ‖θ_ij‖² = 0.5 + 2 + 5
+    assert out["fpfc/primal_scale"] == pytest.approx(12 ** 0.5)
+    # Σ_j v_ij: (1,2), (0,1), (−1,−3) → ‖·‖ = 4 < ρ‖Dᵀθ‖ = 2√22
+    assert out["fpfc/dual_scale"] == pytest.approx(2.0 * 22 ** 0.5)
+    torch.testing.assert_close(rowsum, torch.tensor([[-0.5, -1.5], [-2.5, -0.5], [3.0, 2.0]]))
+    # device 0 moves and its pairs are updated: the cached rows give what a fresh computation gives
+    tracker = Residuals()
+    tracker.update_rows(W, theta, [0])
+    W[0] = torch.tensor([3.0, 1.0])
+    theta[0, 1], theta[1, 0] = torch.tensor([2.5, 0.0]), -torch.tensor([2.5, 0.0])
+    tracker.update_rows(W, theta, [0])
+    again, _ = tracker.report(W, theta, v, rho=2.0, rowsum_before=rowsum)
+    # (3,0) − (2.5,0) = (0.5,0); (1,−1) − (−1,−1) = (2,0); the untouched pair (1,2) still 0
+    assert again["fpfc/primal_residual"] == pytest.approx(4.25 ** 0.5)
+    # only θ_01 changed, by (2,0.5): rows 0 and 1 change by ±(2,0.5)
+    assert again["fpfc/dual_residual"] == pytest.approx(2.0 * (2 * (4 + 0.25)) ** 0.5)
+    fresh, _ = Residuals().report(W, theta, v, rho=2.0, rowsum_before=rowsum)
+    assert fresh == pytest.approx(again)
+
+
+def test_glued_clusters_count_cluster_pairs_whose_pairs_mostly_sit_inside_the_soft_threshold_region():
+    from pfl.methods.fpfc_admm import glued_clusters
+
+    # clusters {0,1,2} and {3,4,5}: 7 of their 9 cross pairs at ‖θ‖ 0.5, two at 2.0; a singleton 6 at
+    # 0.3 from everyone (a fragment: never counted)
+    dist = torch.full((7, 7), 5.0)
+    for i in range(3):
+        for j in range(3, 6):
+            dist[i, j] = dist[j, i] = 0.5
+    dist[0, 3] = dist[3, 0] = dist[1, 4] = dist[4, 1] = 2.0
+    dist[6, :] = dist[:, 6] = 0.3
+    dist.fill_diagonal_(0.0)
+    labels = [0, 0, 0, 1, 1, 1, 2]
+    assert glued_clusters(dist, labels, lam=0.8) == 1.0      # 7/9 > 1/2 of the pairs pulled with force λ
+    assert glued_clusters(dist, labels, lam=0.4) == 0.0      # 0.5 > λ: none in the region
+    dist[2, 5] = dist[5, 2] = dist[0, 4] = dist[4, 0] = dist[1, 3] = dist[3, 1] = 2.0
+    assert glued_clusters(dist, labels, lam=0.8) == 0.0      # 4/9: a minority, not glued
+    # device 6 read out with the second cluster: 4 + 3 of the 12 pairs are close, a majority again
+    assert glued_clusters(dist, [0, 0, 0, 1, 1, 1, 1], lam=0.8) == 1.0
+
+
+@pytest.mark.parametrize("driver", ["sync", "async"])
+def test_fpfc_logs_every_rounds_residuals_as_a_direct_computation_from_its_state(driver):
+    cfg = synthetic_config(federation__rounds=5, federation__driver=driver, method__rho=1.7)
+    sim = (AsyncSimulator if driver == "async" else Simulator)(cfg)
+    previous = np.zeros(tuple(sim.method.W.shape))
+    for _ in range(5):
+        metrics = sim.run_round()
+        W, theta, v = (t.double().numpy() for t in (sim.method.W, sim.method.theta, sim.method.v))
+        m = len(W)
+        pairs = [(i, j) for i in range(m) for j in range(i + 1, m)]
+        primal = sum(float(np.sum((W[i] - W[j] - theta[i, j]) ** 2)) for i, j in pairs) ** 0.5
+        rows = np.array([sum(theta[i, j] for j in range(m)) for i in range(m)])
+        dual = 1.7 * float(np.linalg.norm(rows - previous))   # over the logged round (async: several arrivals)
+        spread = sum(float(np.sum((W[i] - W[j]) ** 2)) for i, j in pairs) ** 0.5
+        size = sum(float(np.sum(theta[i, j] ** 2)) for i, j in pairs) ** 0.5
+        force = float(np.linalg.norm(np.array([sum(v[i, j] for j in range(m)) for i in range(m)])))
+        assert metrics["fpfc/primal_residual"] == pytest.approx(primal, rel=1e-4)
+        assert metrics["fpfc/dual_residual"] == pytest.approx(dual, rel=1e-4)
+        assert metrics["fpfc/primal_scale"] == pytest.approx(max(spread, size), rel=1e-4)
+        assert metrics["fpfc/dual_scale"] == pytest.approx(max(force, 1.7 * float(np.linalg.norm(rows))), rel=1e-4)
+        previous = rows
+    assert metrics["fpfc/primal_residual"] > 0 and metrics["fpfc/dual_residual"] > 0
+
+
 # ---- engine integration ------------------------------------------------------------------------
 
 def test_communication_is_one_model_each_way_per_sampled_device():
@@ -288,9 +367,10 @@ def test_async_driver_is_a_config_value():
 def test_lambda_path_round_budget():
     from pfl.tune.lambda_path import PathSettings, separate_run, warmup_path
 
-    # tolerance 1.0 with a window of one evaluation: every segment converges at its second evaluation
+    # tolerance 1.0 with a window of one evaluation and no residual rule: every segment converges at its
+    # second evaluation
     settings = PathSettings(lambdas=[0.6, 0.2, 0.4], eval_every=2, stage_cap=4, window=1, tolerance=1.0,
-                            patience=5, extend=0, finalists=1, budget=12)
+                            residual_tol=0.0, patience=5, extend=0, finalists=1, budget=12)
     with pytest.raises(ConfigError) as err:     # no validation split: nothing to select λ by
         warmup_path(Simulator(synthetic_config()), settings)
     assert err.value.field == "data.val_fraction"
@@ -315,7 +395,7 @@ def test_lambda_path_playoff_continues_the_best_stages_to_equal_rounds_from_thei
     from pfl.tune.lambda_path import PathSettings, warmup_path
 
     settings = PathSettings(lambdas=[0.2, 0.4, 0.6], eval_every=2, stage_cap=4, window=1, tolerance=1.0,
-                            patience=5, extend=0, finalists=2, playoff_rounds=3, budget=20)
+                            residual_tol=0.0, patience=5, extend=0, finalists=2, playoff_rounds=3, budget=20)
     sim = Simulator(synthetic_config(federation__rounds=10**6, data__val_fraction=0.2))
     stages, rounds_seen = [], []
     result = warmup_path(sim, settings, on_stage=lambda i, s: stages.append((s["val/acc_mean"], s["lambda"])),
@@ -347,7 +427,7 @@ def test_lambda_path_on_a_regression_source_selects_by_rmse_and_ends():
                       "federation.lr": 0.05, "tracking.enabled": False})
     sim = Simulator(cfg)
     settings = PathSettings(lambdas=[0.2, 0.4], eval_every=2, stage_cap=10, window=1, tolerance=1e-3, extend=1,
-                            finalists=2, playoff_rounds=2, budget=30)
+                            extension="step", finalists=2, playoff_rounds=2, budget=30)
     result = warmup_path(sim, settings)     # only val/rmse_mean is reported: the path must still end
     rmse = {s["lambda"]: s["val/rmse_mean"] for s in result.stages}
     assert "val/acc_mean" not in result.stages[0] and sim.round <= settings.budget

@@ -209,12 +209,14 @@ class Simulator:
         """Book the finished round ``rnd``: timing, loss, evaluation when due, communication,
         ``extra``; appended to the history."""
         self.ledger.close_round()
+        method_metrics = self.method.round_metrics(rnd)  # part of the round's work and time
         round_time = time.perf_counter() - start
         self.elapsed += round_time
         self.round += 1
         self.executed += 1
         metrics: dict[str, float] = {"round": float(rnd), "step": float(self.executed),
                                      "time/round_s": round_time, "lr": lr}
+        metrics.update(method_metrics)
         if losses:
             metrics["train/loss"] = float(np.mean(losses))
         if self.is_eval_round(rnd) if evaluate is None else evaluate:

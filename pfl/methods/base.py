@@ -219,6 +219,11 @@ class Method:
         """Method-specific metrics logged at evaluation rounds (e.g. cluster/num)."""
         return {}
 
+    def round_metrics(self, rnd: int) -> dict[str, float]:
+        """Method-specific metrics logged every round, after the round's aggregation (FPFC: its ADMM
+        residuals); cheap, since every round pays for them."""
+        return {}
+
     def artifacts(self, outdir: str) -> list[str]:
         """Write method-specific artifacts (tables, plots) at the end of a run; return paths."""
         return []

@@ -104,7 +104,8 @@ from ..schema import ConfigError, hp
 from ..training import Params, PullTo
 from . import register
 from .base import ClientHandle, EvalPlan, Method
-from .fpfc_admm import FPFCJoin, Prox, pair_update, pairwise_norms, plot_theta_norms, zeta
+from .fpfc_admm import (FPFCJoin, Prox, Residuals, glued_clusters, pair_update, pairwise_norms, plot_theta_norms,
+                        zeta)
 
 
 @dataclass
@@ -174,7 +175,9 @@ class FPFC(FPFCJoin, Method):
     Hparams = FPFCHparams
     description = "Fusion-penalised federated clustering, SCAD or L1 pairwise fusion (Yu et al. 2024)"
     metric_names = ("cluster/num", "cluster/ari", "fpfc/nu", "fpfc/lambda", "fpfc/theta_max_within",
-                    "fpfc/theta_min_between", "time/sim_clock", "fpfc/readout_acc", "fpfc/readout_rmse")
+                    "fpfc/theta_min_between", "time/sim_clock", "fpfc/readout_acc", "fpfc/readout_rmse",
+                    "fpfc/primal_residual", "fpfc/dual_residual", "fpfc/primal_scale", "fpfc/dual_scale",
+                    "fpfc/glued_clusters")
     supports_async = True
 
     # ---- setup -------------------------------------------------------------------------------
@@ -200,6 +203,8 @@ class FPFC(FPFCJoin, Method):
         self.W = w0.unsqueeze(0).repeat(m, 1)
         self.theta = w0.new_zeros(m, m, p)
         self.v = w0.new_zeros(m, m, p)
+        self.theta_rowsum = w0.new_zeros(m, p)   # Dᵀθ at the last residual report (the dual residual's θ^{k−1})
+        self._residuals = Residuals()
         self.body: Params | None = {k: init[k].clone() for k in self.shared} if self.shared else None
         self.body_of = (flatten_params(init, self.shared).unsqueeze(0).repeat(m, 1)
                         if self.shared and self.hp.stale_body else None)
@@ -311,11 +316,23 @@ class FPFC(FPFCJoin, Method):
         self.W[idx] = torch.stack([flatten_params(u, self.clustered) for u in uploads])
         self.n_seen[idx] = torch.tensor([float(replies[c].info.get("n", 1)) for c in cids], dtype=torch.float64, device=self.W.device)
         pair_update(self.W, self.theta, self.v, cids, self.prox(), self.hp.rho, self.hp.pair_update, self._cols())
+        self._residuals.update_rows(self.W, self.theta, cids)
         if self.shared:
             self.body = aggregate(uploads, None, self.hp, names=self.shared,
                                   attack_fraction=self.ctx.cfg.attack.fraction)
             if self.body_of is not None:
                 self.body_of[idx] = flatten_params(self.body, self.shared)
+
+    def round_metrics(self, rnd: int) -> dict[str, float]:
+        """The ADMM residuals over the round (:class:`pfl.methods.fpfc_admm.Residuals`): what tells
+        whether the iterates have reached this λ's solution, which a validation plateau does not."""
+        out, self.theta_rowsum = self._residuals.report(self.W, self.theta, self.v, self.hp.rho, self.theta_rowsum,
+                                                        self._cols())
+        return out
+
+    def load_server_state(self, state: dict) -> None:
+        super().load_server_state(state)
+        self._residuals.reset()
 
     # ---- models ------------------------------------------------------------------------------
     def _full(self, clustered: Params, cid: int) -> Params:
@@ -407,6 +424,7 @@ class FPFC(FPFCJoin, Method):
         out = cluster_metrics(labels[present], None if true is None else true[present])
         out["fpfc/nu"] = self._nu
         out["fpfc/lambda"] = float(self.hp.lam)
+        out["fpfc/glued_clusters"] = glued_clusters(dist[present][:, present], labels[present], self.hp.lam)
         out.update(self.theta_gap())
         if not self.external_clock:
             out["time/sim_clock"] = self.sim_clock

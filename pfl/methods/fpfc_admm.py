@@ -93,6 +93,90 @@ def _pair_update_cols(W: torch.Tensor, theta: torch.Tensor, v: torch.Tensor, row
         v[col[:, None], idx[None, :]] = -new_v.transpose(0, 1)
 
 
+class Residuals:
+    """The ADMM residuals of the fusion constraints w_i − w_j = θ_ij over a round (Boyd et al. 2011
+    §3.3), over the pairs i < j of the federation's devices:
+
+    * primal r = (Σ_{i<j} ‖w_i − w_j − θ_ij‖²)^½, how far the pair variables are from the models;
+    * dual s = ρ‖Dᵀ(θ^k − θ^{k−1})‖ with D the pairs' incidence: (Dᵀθ)_i = Σ_j θ_ij (θ antisymmetric),
+      so per device the change of its pairs' θ over the round (the change of its ADMM target ζ_i, × m).
+
+    The scales they are compared with (Boyd's ε_rel terms) are max(‖Dw‖, ‖θ‖) for r and
+    max(‖Dᵀv‖, ρ‖Dᵀθ‖) for s. Boyd scales s by the dual force ‖Dᵀv‖ alone, which vanishes when the
+    devices have split (every pair in SCAD's flat region has v = 0) while they still move; ρ‖Dᵀθ‖
+    (= ρ·m‖w_i − w̄‖ there) is the size of what s measures the change of, so the larger of the two
+    keeps the ratio meaningful in both regimes.
+
+    Pairs change only in pair updates, so the squared primal residual of every pair is cached and
+    only the updated rows are recomputed (|A|·m·p work, like the update itself); :meth:`reset`
+    drops the cache whenever W or θ change otherwise (a join, a restore). Dᵀθ of the previous report
+    is the method's state (``theta_rowsum``), so a restored lineage reports the same residuals.
+    """
+
+    def __init__(self) -> None:
+        self.pair_sq: torch.Tensor | None = None    # (m, m) ‖w_i − w_j − θ_ij‖²
+
+    def reset(self) -> None:
+        self.pair_sq = None
+
+    def update_rows(self, W: torch.Tensor, theta: torch.Tensor, rows: Sequence[int]) -> None:
+        """After a pair update of the rows ``rows`` (and their mirrored columns)."""
+        if self.pair_sq is None:
+            self.pair_sq = pair_residual_sq(W, theta)
+            return
+        idx = torch.as_tensor(list(rows), dtype=torch.long, device=W.device)
+        fresh = pair_residual_sq(W, theta, idx)
+        self.pair_sq[idx] = fresh
+        self.pair_sq[:, idx] = fresh.T
+
+    def report(self, W: torch.Tensor, theta: torch.Tensor, v: torch.Tensor, rho: float,
+               rowsum_before: torch.Tensor, present: Sequence[int] | None = None) -> tuple[dict[str, float], torch.Tensor]:
+        """The residuals and their scales, and Dᵀθ now (the next report's ``rowsum_before``);
+        ``present``: the devices of the federation (None: all m; pairs to others do not exist)."""
+        if self.pair_sq is None:
+            self.pair_sq = pair_residual_sq(W, theta)
+        rowsum = theta.sum(1)
+        if present is None:
+            pair_sq, w, th, sel = self.pair_sq, W, theta, slice(None)
+        else:
+            sel = torch.as_tensor(list(present), dtype=torch.long, device=W.device)
+            pair_sq, w, th = self.pair_sq[sel][:, sel], W[sel], theta[sel][:, sel]
+        # Σ_{i<j} ‖w_i − w_j‖² = k Σ_i ‖w_i − w̄‖² over the k devices; θ and v vanish outside their pairs
+        spread_sq = w.shape[0] * float(((w - w.mean(0)) ** 2).sum())
+        theta_sq = 0.5 * float(torch.linalg.vector_norm(th)) ** 2
+        out = {"fpfc/primal_residual": (0.5 * float(pair_sq.sum())) ** 0.5,
+               "fpfc/dual_residual": rho * float(torch.linalg.vector_norm((rowsum - rowsum_before)[sel])),
+               "fpfc/primal_scale": max(spread_sq, theta_sq) ** 0.5,
+               "fpfc/dual_scale": max(float(torch.linalg.vector_norm(v.sum(1)[sel])),
+                                      rho * float(torch.linalg.vector_norm(rowsum[sel])))}
+        return out, rowsum
+
+
+def pair_residual_sq(W: torch.Tensor, theta: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """‖w_i − w_j − θ_ij‖² for the rows ``rows`` (default all), shape (len(rows), m)."""
+    if rows is None:
+        return torch.linalg.vector_norm(W.unsqueeze(1) - W.unsqueeze(0) - theta, dim=-1) ** 2
+    diff = W.index_select(0, rows).unsqueeze(1) - W.unsqueeze(0)
+    return torch.linalg.vector_norm(diff.sub_(theta.index_select(0, rows)), dim=-1) ** 2
+
+
+def glued_clusters(dist: torch.Tensor, labels, lam: float) -> float:
+    """Pairs of read-out clusters (of two devices or more each) held together by the penalty: more than
+    half of the device pairs between them have ‖θ_ij‖ < λ, SCAD's soft-threshold region, where the
+    penalty pulls with its full force. Such clusters are a compromise between their models that a
+    smaller λ releases. (A few close pairs between small fragments do not count: they are the noise
+    of a fragmented read-out, not clusters pulled together.)"""
+    lab = torch.as_tensor(np.asarray(labels), device=dist.device, dtype=torch.long)
+    onehot = torch.nn.functional.one_hot(lab).to(torch.float64)              # (m, K)
+    close = (dist < lam).to(torch.float64)
+    between = onehot.T @ close @ onehot                                       # (K, K) close pairs
+    sizes = onehot.sum(0)
+    share = between / torch.outer(sizes, sizes)
+    big = sizes >= 2
+    glued = torch.triu((share > 0.5) & big[:, None] & big[None, :], diagonal=1)
+    return float(glued.sum())
+
+
 def pairwise_norms(theta: torch.Tensor) -> torch.Tensor:
     """‖θ_ij‖ for all pairs, (m, m)."""
     return torch.linalg.vector_norm(theta, dim=-1)
@@ -168,6 +252,7 @@ class FPFCJoin:
         self.W[idx] = torch.stack([flatten_params(replies[c].tensors("w"), self.clustered) for c in cids])
         self.n_seen[idx] = torch.tensor([float(replies[c].info.get("n", 1)) for c in cids],
                                         dtype=torch.float64, device=self.W.device)
+        self._residuals.reset()
         if step > 0 or self.hp.join_start == "upload":
             pair_update(self.W, self.theta, self.v, cids, self.prox(), self.hp.rho, "once", self.ctx.members)
         tol = self.ctx.cfg.newcomers.tol
@@ -177,4 +262,5 @@ class FPFCJoin:
             self.settled += [c for c, ok in zip(cids, (change <= tol * scale).tolist()) if ok]
 
 
-__all__ = ["FPFCJoin", "Prox", "pair_update", "pairwise_norms", "plot_theta_norms", "zeta"]
+__all__ = ["FPFCJoin", "Prox", "Residuals", "glued_clusters", "pair_residual_sq", "pair_update", "pairwise_norms", "plot_theta_norms",
+           "zeta"]

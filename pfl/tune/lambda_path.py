@@ -1,41 +1,53 @@
 """FPFC's λ tuning strategies: a warm-started λ path vs separate runs (docs/methods/fpfc.md §4).
 
-*One convergence rule.* A segment of training at one λ (a path stage, a separate run, the
-warm-up's final continuation) ends when it has **converged** — the best validation score of its
-last ``window`` evaluations is at most ``tolerance`` above its best before them — or at its cap.
-The score is validation accuracy (regression: minus the validation RMSE). A window of
-evaluations rather than one difference: single 10-round differences of a slowly rising accuracy
-fall below 1e-3 by noise long before training has settled.
+*One convergence rule* (:func:`pfl.tune.path_settings.converged`). A segment of training at one λ
+(a path stage, a separate run, the warm-up's final continuation) ends when it has reached that λ's
+solution — FPFC's ADMM residuals small against their scales and validation settled — or at its
+cap. Each segment records what ended it (``end``: converged, stage cap, budget).
 
-*Warmup (path following).* Train at the first λ of the grid until convergence (or ``stage_cap``),
-record the stage, move to the next λ from the current state (models, pair variables, duals). Stop
-once validation has been below the path's best for ``patience`` consecutive stages (the decline).
-If the grid ends while its last stage is still the best, the path goes on past it, one grid step
-at a time, at most ``extend`` λ values (the decline not reached is reported). The ``finalists``
-best stages were snapshotted; the *playoff* continues each from its own state until all have the
+*Warmup (path following).* Train at the first λ until convergence (or ``stage_cap``), record the
+stage, move to the next λ from the current state (models, pair variables, duals). A stage is below
+the path's best only when its validation score is lower by more than the validation estimate's
+noise (``noise_se`` standard errors); the path stops after ``patience`` such stages in a row (a
+real decline). If the grid ends first, the path goes on past it (``extension``: a step or a
+factor), at most ``extend`` λ values; ``fpfc/decline_reached`` says whether it ended on a decline,
+``fpfc/path_end`` what ended it otherwise (0 decline, 1 the extension's limit, 2 the budget). The
+``finalists`` best stages are snapshotted; the *playoff* continues each from its own state to the
 same number of lineage rounds (the latest one's plus ``playoff_rounds``), so candidates are
-compared at equal training — the later stages of a path otherwise win by having trained longer.
-The best of them is continued until convergence (the final continuation). No lineage trains past
-``budget`` rounds: the path, the playoff and the continuation stop there.
+compared at equal training; the best — or a finalist with fewer clusters within the noise
+(:func:`pfl.tune.path_settings.parsimonious`) — is continued until convergence (the final
+continuation). No lineage trains past ``budget`` rounds.
+
+Directions: ``ascending`` is the paper's order. From a common start it splits the devices at the
+first (small) λ, and SCAD cannot undo that: a pair farther apart than aλ feels no pull, so larger λ
+keeps the split partition. ``descending`` starts where the devices are fused and lets them split
+as λ decreases, the direction in which a warm start stays near the next λ's solution.
+``descending_skip_glued`` ends a stage at the rule's minimum while two of its read-out clusters are
+glued (most device pairs between them within SCAD's soft-threshold region, ‖θ_ij‖ < λ: the penalty
+holds the clusters together, a biased compromise the next λ releases; FPFC's
+``fpfc/glued_clusters``), so the path spends its rounds where the clusters are free.
+
+*The stage report.* Each stage records how its partition moved: ``ari_prev`` (ARI against the
+previous stage's read-out), ``unchanged`` (1 when the new λ changed nothing: the stage converged at
+the rule's minimum with the partition and validation, within its noise, as they were) and, after two
+transitions without any change of the partition while λ moved, the path warns once that its
+partition froze (``warnings``, logged).
 
 *Separate.* One λ from scratch until the same convergence rule, capped at ``budget`` rounds.
 
 Both run as :class:`LambdaPath`, a callback that steers the one round loop
 (:mod:`pfl.federation.loop`): it chooses the evaluation rounds, changes λ, snapshots and restores
-model states, and stops the loop when the schedule is done. Its position (phase, stages, the
-finalists' snapshots) is part of the loop's checkpoint, so an interrupted path resumes where it
-was. Restoring a finalist's state restores the model lineage only: the run's executed rounds,
-metric steps and cumulative communication keep counting, so every round run is paid for in
-``fpfc/total_rounds`` and ``comm/*``. At the end the selected model is evaluated once more (with
-the final cluster read-out), so every reported metric, the client table and the cluster file are
-that model's.
-
-The ascending order is the paper's; from a common start (``method.init_std: 0``) it re-fuses the
-devices as λ grows, and ``direction: descending`` fragments them (docs/methods/fpfc.md §4).
+model states, and stops the loop when the schedule is done. Its position is part of the loop's
+checkpoint, so an interrupted path resumes where it was. Restoring a finalist's state restores the
+model lineage only: the run's executed rounds, metric steps and cumulative communication keep
+counting, so every round run is paid for in ``fpfc/total_rounds`` and ``comm/*``. At the end the
+selected model is evaluated once more (with the final cluster read-out), so every reported metric,
+the client table and the cluster file are that model's.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -43,67 +55,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..federation.loop import Callback, LoopResult, RoundLoop, StopTraining
-from ..schema import ConfigError, hp
-from .path_report import plot_path, stage_metrics, write_stages
+from ..schema import ConfigError
+from .path_report import PATH_METRICS, partition_change, plot_path, stage_metrics, stage_record, write_stages
+from .path_settings import PathSettings, below_best, converged, parsimonious, residual_ratios
 
+log = logging.getLogger(__name__)
 Stage = dict[str, float]
 
-
-@dataclass
-class PathSettings:
-    lambdas: list[float] = hp(default_factory=lambda: [0.2, 0.4, 0.6, 0.8, 1.0, 1.2, 1.4],
-                              doc="the λ grid (sorted by `direction`)")
-    direction: str = hp("ascending", "order of the path", choices=("ascending", "descending"))
-    tolerance: float = hp(1e-3, "a segment has converged when its best validation score of the last `window` "
-                                "evaluations is at most this above its best before them", low=0.0)
-    window: int = hp(3, "evaluations the convergence rule looks back over", low=1)
-    eval_every: int = hp(10, "rounds between the evaluations the convergence rule compares", low=1)
-    stage_cap: int = hp(200, "round cap of one path stage", low=1)
-    min_stage_rounds: int = hp(0, "rounds every segment runs before the convergence rule may end it: 0, or at "
-                                  "least (window + 1) × eval_every, the rule's own minimum", low=0)
-    patience: int = hp(2, "stop the path after this many consecutive stages below the best", low=1)
-    extend: int = hp(2, "λ values the path adds past the grid's end (one grid step each) while its last stage "
-                        "is still its best; 0: the grid only", low=0)
-    finalists: int = hp(3, "best path stages (by validation) compared in the playoff at equal lineage rounds; "
-                           "1: no playoff, the best stage is continued", low=1)
-    playoff_rounds: int = hp(50, "rounds the latest finalist is continued in the playoff; the others are "
-                                 "continued to the same lineage total", low=0)
-    budget: int = hp(1000, "most rounds any model's lineage trains: a separate run, and a warm-up lineage "
-                           "(path, playoff and final continuation)", low=1)
-
-    def validate(self, path: str) -> None:
-        def key(name: str) -> str:
-            return f"{path}.{name}" if path else name
-
-        if not self.lambdas:
-            raise ConfigError(key("lambdas"), "needs at least one λ")
-        if any(v <= 0 for v in self.lambdas):
-            raise ConfigError(key("lambdas"), "every λ must be > 0")
-        least = (self.window + 1) * self.eval_every
-        if 0 < self.min_stage_rounds < least:
-            # the rule needs window + 1 evaluations, so a smaller minimum would have no effect
-            raise ConfigError(key("min_stage_rounds"), f"allowed: 0 or at least (window + 1) × eval_every = "
-                                                       f"{least} (the convergence rule's own minimum), got "
-                                                       f"{self.min_stage_rounds}")
-
-    def ordered(self) -> list[float]:
-        return sorted(self.lambdas, reverse=self.direction == "descending")
-
-    def next_lambda(self, visited: list[float]) -> float | None:
-        """The λ one grid step past ``visited[-1]`` in the path's direction (None: no step, or λ ≤ 0)."""
-        grid = self.ordered()
-        if len(grid) < 2:
-            return None
-        nxt = round(visited[-1] + (grid[-1] - grid[-2]), 10)
-        return nxt if nxt > 0 else None
-
-
-def converged(scores: list[float], window: int, tolerance: float) -> bool:
-    """Whether a segment's validation scores (higher is better, oldest first) have settled: the best
-    of the last ``window`` is at most ``tolerance`` above the best before them."""
-    if len(scores) <= window:
-        return False
-    return max(scores[-window:]) <= max(scores[:-window]) + tolerance
+#: what ended a path: ``fpfc/path_end``
+PATH_ENDS = {"decline": 0.0, "extension limit": 1.0, "budget": 2.0}
 
 
 def require_validation(cfg) -> None:
@@ -120,27 +80,9 @@ def set_lambda(sim, lam: float) -> None:
     sim.set_hparams(dataclasses.replace(sim.method.hp, lam=float(lam)))
 
 
-RECORD_KEYS = ("val/acc_mean", "val/rmse_mean", "test/acc_mean", "test/rmse_mean", "cluster/num", "cluster/ari",
-               "fpfc/readout_acc")
-
-
-def stage_record(lam: float, metrics: dict, rounds: int, wall: float, **extra: float) -> Stage:
-    out = {"lambda": float(lam), "rounds": float(rounds), "wall_s": wall}
-    out.update({k: float(metrics[k]) for k in RECORD_KEYS if k in metrics})
-    out.update({k: float(v) for k, v in extra.items()})
-    return out
-
-
 def score_of(task: str) -> tuple[str, float]:
     """The validation metric λ is chosen by and its sign (the score is maximised)."""
     return ("val/rmse_mean", -1.0) if task == "regression" else ("val/acc_mean", 1.0)
-
-
-#: what a λ-tuning trial reports besides the run's own metrics
-PATH_METRICS = ("fpfc/selected_lambda", "fpfc/total_rounds", "fpfc/path_stages", "fpfc/lineage_rounds",
-                "fpfc/converged", "fpfc/path_rounds", "fpfc/playoff_total_rounds", "fpfc/final_rounds",
-                "fpfc/grid_extended", "fpfc/decline_reached", "fpfc/budget_reached", "fpfc/trial_wall_s",
-                "fpfc/compute_s", "fpfc/cpu_s", "stage/*", "playoff/*")
 
 
 @dataclass
@@ -183,10 +125,16 @@ class LambdaPath(Callback):
         self._cpu = time.process_time()
 
     # ---- segments ------------------------------------------------------------------------------
-    def _segment(self, sim, lam: float, cap: int, stop_early: bool) -> None:
+    def _segment(self, sim, lam: float, cap: int, stop_early: bool, capped_by: str = "budget") -> None:
         set_lambda(sim, lam)
-        self.st.update(lam=float(lam), start=sim.round, cap=int(cap), stop_early=stop_early, scores=[],
-                       t0=sim.elapsed, c0=self.st.get("cpu_s", 0.0))
+        self.st.update(lam=float(lam), start=sim.round, cap=int(cap), stop_early=stop_early, scores=[], ratios=[],
+                       last_ratios=None, capped_by=capped_by, t0=sim.elapsed, c0=self.st.get("cpu_s", 0.0))
+
+    def _stage_segment(self, sim, lam: float) -> None:
+        cfg = self.settings
+        left = cfg.budget - sim.round
+        self._segment(sim, lam, min(cfg.stage_cap, left), stop_early=True,
+                      capped_by="stage cap" if cfg.stage_cap < left else "budget")
 
     def on_start(self, loop: RoundLoop) -> None:
         sim = loop.sim
@@ -200,10 +148,11 @@ class LambdaPath(Callback):
             self.st = {"phase": "separate", "wall_s": 0.0, "cpu_s": 0.0}
             self._segment(sim, sim.method.hp.lam, cfg.budget - sim.round, stop_early=True)
             return
-        self.st = {"phase": "path", "lambdas": cfg.ordered(), "index": 0, "stages": [], "finalists": [],
-                   "best": -math.inf, "below": 0, "extended": 0, "playoff": [], "match": 0, "wall_s": 0.0,
-                   "cpu_s": 0.0}
-        self._segment(sim, self.st["lambdas"][0], min(cfg.stage_cap, cfg.budget - sim.round), stop_early=True)
+        self.st = {"phase": "path", "lambdas": cfg.ordered(), "index": 0,
+                   "stages": [], "finalists": [], "best": -math.inf, "best_se": math.nan, "below": 0, "extended": 0,
+                   "playoff": [], "match": 0, "wall_s": 0.0, "cpu_s": 0.0, "partitions": [], "still": 0,
+                   "warnings": []}
+        self._stage_segment(sim, self.st["lambdas"][0])
 
     def wants_eval(self, loop: RoundLoop, rnd: int) -> bool:
         done = rnd + 1 - self.st["start"]
@@ -218,44 +167,93 @@ class LambdaPath(Callback):
         st["cpu_s"] += cpu - self._cpu
         self._clock, self._cpu = now, cpu
         rounds = sim.round - st["start"]
+        ratios = residual_ratios(metrics)
+        if ratios is not None:
+            st["ratios"].append(ratios)
         if self.metric not in metrics:
             if rounds % cfg.eval_every == 0 or rounds >= st["cap"]:  # an evaluation this schedule asked for
                 raise RuntimeError(f"the λ schedule chooses by {self.metric}, which the evaluation did not report "
                                    f"(reported: {', '.join(sorted(k for k in metrics if k.startswith('val/')))})")
             return
         st["scores"].append(self.sign * float(metrics[self.metric]))
+        window, st["ratios"] = st["ratios"], []   # the residuals of the rounds since the last evaluation
+        if window:
+            st["last_ratios"] = [math.fsum(r for r, _ in window) / len(window),
+                                 math.fsum(s for _, s in window) / len(window)]
         settled = st["stop_early"] and rounds >= cfg.min_stage_rounds and \
-            converged(st["scores"], cfg.window, cfg.tolerance)
-        if not (settled or rounds >= st["cap"]):
+            converged(st["scores"], cfg.window, cfg.tolerance, window, cfg.residual_tol)
+        # a glued stage's solution is a compromise between clusters the penalty holds together: the
+        # descending path that skips them moves on at the rule's minimum
+        glued = (cfg.direction == "descending_skip_glued" and st["phase"] == "path" and not settled
+                 and metrics.get("fpfc/glued_clusters", 0.0) > 0 and rounds >= cfg.minimum_rounds())
+        if not (settled or glued or rounds >= st["cap"]):
             return
+        residual = st["last_ratios"] or [math.nan, math.nan]
+        end = "converged" if settled else "glued" if glued else st["capped_by"]
         record = stage_record(st["lam"], metrics, rounds, sim.elapsed - st["t0"], converged=float(settled),
-                              lineage=float(sim.round), cpu_s=st["cpu_s"] - st["c0"])
+                              end=end, lineage=float(sim.round),
+                              cpu_s=st["cpu_s"] - st["c0"], primal_rel=residual[0], dual_rel=residual[1])
         getattr(self, f"_end_{st['phase']}")(loop, metrics, record)
 
     # ---- the path ------------------------------------------------------------------------------
     def _end_path(self, loop: RoundLoop, metrics: dict, record: Stage) -> None:
         sim, st, cfg = loop.sim, self.st, self.settings
+        score = st["scores"][-1]
+        se = float(record.get(self.metric.replace("_mean", "_se"), math.nan))
+        self._report_partition(sim, record, score, se)
         st["stages"].append(record)
         metrics.update(stage_metrics(record))
         if self.on_stage is not None:
             self.on_stage(st["index"], record)
-        score = st["scores"][-1]
         self._keep_best(sim, score, record)
-        if score > st["best"]:
-            st["best"], st["below"], st["best_index"] = score, 0, len(st["stages"]) - 1
-        else:
+        if below_best(score, se, st["best"], st["best_se"], cfg.noise_se):
             st["below"] += 1
-        st["index"] += 1
-        if st["index"] >= len(st["lambdas"]) and st["below"] == 0 and st["extended"] < cfg.extend:
-            nxt = cfg.next_lambda(st["lambdas"])   # still rising at the grid's end: the decline is further on
-            if nxt is not None:
-                st["lambdas"].append(nxt)
-                st["extended"] += 1
-        if st["below"] >= cfg.patience or st["index"] >= len(st["lambdas"]) or sim.round >= cfg.budget:
-            self._after_path(loop, metrics)
         else:
-            self._segment(sim, st["lambdas"][st["index"]], min(cfg.stage_cap, cfg.budget - sim.round),
-                          stop_early=True)
+            st["below"] = 0
+        if score > st["best"]:
+            st["best"], st["best_se"], st["best_index"] = score, se, len(st["stages"]) - 1
+        st["index"] += 1
+        if st["below"] >= cfg.patience:
+            return self._after_path(loop, metrics, "decline")
+        if sim.round >= cfg.budget:
+            return self._after_path(loop, metrics, "budget")
+        if st["index"] >= len(st["lambdas"]):
+            nxt = cfg.extended(st["lambdas"]) if st["extended"] < cfg.extend else None
+            if nxt is None:
+                return self._after_path(loop, metrics, "extension limit")
+            st["lambdas"].append(nxt)   # no decline yet: it lies further on
+            st["extended"] += 1
+        self._stage_segment(sim, st["lambdas"][st["index"]])
+
+    def _report_partition(self, sim, record: Stage, score: float, se: float) -> None:
+        """How the stage moved the partition (``ari_prev``, ``unchanged``); the one-line warning when
+        it froze while λ grew."""
+        st, cfg = self.st, self.settings
+        assign = getattr(sim.method, "cluster_assignment", None)
+        labels = assign() if callable(assign) else None
+        current = [int(labels[c]) for c in sorted(labels)] if labels else None
+        previous = st["partitions"][-1] if st["partitions"] else None
+        prev_score, st["prev_score"] = st.get("prev_score", math.nan), score
+        st["partitions"].append(current)
+        if current is None or previous is None or len(current) != len(previous):
+            st["still"] = 0
+            return
+        ari = partition_change(previous, current)
+        record["ari_prev"] = ari
+        # the new λ changed nothing: converged at the rule's minimum, same partition, same validation
+        noise = se if se == se else 0.0
+        record["unchanged"] = float(ari >= 1.0 and record["rounds"] <= cfg.minimum_rounds() and record["end"] == "converged"
+                                    and abs(score - prev_score) <= noise)
+        grew = st["stages"] and st["lam"] > st["stages"][-1]["lambda"]
+        st["still"] = st["still"] + 1 if ari >= 1.0 and grew else 0
+        if st["still"] >= 2 and not st.get("frozen"):
+            first = st["stages"][-2]["lambda"]
+            text = (f"the λ path's partition froze: {len(set(current))} clusters, unchanged from λ {first:g} to "
+                    f"λ {st['lam']:g} (ARI 1.00 between the stages' read-outs); SCAD does not pull pairs farther apart "
+                    "than aλ, so a larger λ cannot re-fuse what an earlier stage split")
+            st["frozen"] = {"from": first, "to": st["lam"], "clusters": len(set(current))}
+            st["warnings"].append(text)
+            log.warning(text)
 
     def _keep_best(self, sim, score: float, record: Stage) -> None:
         """Snapshot the model into the finalists (best first) if this stage is among the best."""
@@ -267,8 +265,9 @@ class LambdaPath(Callback):
         finalists.sort(key=lambda c: -c["score"])
         del finalists[size:]
 
-    def _after_path(self, loop: RoundLoop, metrics: dict) -> None:
+    def _after_path(self, loop: RoundLoop, metrics: dict, reason: str) -> None:
         st = self.st
+        st["path_end"] = reason
         if len(st["finalists"]) < 2:
             self._start_final(loop, st["finalists"][0])
             return
@@ -285,12 +284,12 @@ class LambdaPath(Callback):
         loop.sim.restore(candidate["state"])
         rounds = st["target"] - loop.sim.round
         if rounds > 0:
-            self._segment(loop.sim, candidate["lam"], rounds, stop_early=False)
+            self._segment(loop.sim, candidate["lam"], rounds, stop_early=False, capped_by="playoff")
             return
         # already at the playoff's total (the latest finalist with playoff_rounds 0, or the budget)
         set_lambda(loop.sim, candidate["lam"])
-        self._match_done(loop, metrics, dict(candidate["record"], rounds=0.0, wall_s=0.0, cpu_s=0.0, converged=0.0),
-                         candidate["score"])
+        self._match_done(loop, metrics, dict(candidate["record"], rounds=0.0, wall_s=0.0, cpu_s=0.0, converged=0.0,
+                                             end="playoff"), candidate["score"])
 
     def _end_playoff(self, loop: RoundLoop, metrics: dict, record: Stage) -> None:
         self._match_done(loop, metrics, record, self.st["scores"][-1])
@@ -305,8 +304,11 @@ class LambdaPath(Callback):
         st["match"] += 1
         if st["match"] < len(st["finalists"]):
             self._start_match(loop)
-        else:
-            self._start_final(loop, max(st["finalists"], key=lambda c: c["score"]))
+        else:   # the best after equal training, or a finalist with fewer clusters within the noise
+            se_key = self.metric.replace("_mean", "_se")
+            pick = parsimonious([(c["score"], c["record"].get(se_key, math.nan), c["record"].get("cluster/num", math.nan))
+                                 for c in st["finalists"]], self.settings.noise_se)
+            self._start_final(loop, st["finalists"][pick])
 
     def _start_final(self, loop: RoundLoop, winner: dict) -> None:
         sim, st = loop.sim, self.st
@@ -319,7 +321,7 @@ class LambdaPath(Callback):
         else:
             set_lambda(sim, winner["lam"])
             st.update(lam=winner["lam"], start=sim.round, t0=sim.elapsed)
-            self._finish(loop, dict(winner["record"], rounds=0.0, wall_s=0.0, cpu_s=0.0, converged=0.0))
+            self._finish(loop, dict(winner["record"], rounds=0.0, wall_s=0.0, cpu_s=0.0, converged=0.0, end="budget"))
 
     def _end_final(self, loop: RoundLoop, metrics: dict, record: Stage) -> None:
         self._finish(loop, record)
@@ -344,7 +346,9 @@ class LambdaPath(Callback):
         if self.strategy == "warmup":  # a separate run selects nothing: its λ is its param method.lam
             summary["fpfc/selected_lambda"] = final["lambda"]
             summary["fpfc/grid_extended"] = float(st["extended"])
-            summary["fpfc/decline_reached"] = float(st.get("best_index", 0) < len(stages) - 1)
+            summary["fpfc/decline_reached"] = float(st.get("path_end") == "decline")
+            summary["fpfc/path_end"] = PATH_ENDS[st.get("path_end", "budget")]
+            summary["fpfc/frozen"] = float(bool(st.get("frozen")))
         # the selected model itself, with the final read-out: every reported metric is this model's
         # (after a playoff the last evaluated model may be another finalist's)
         evaluated = sim.evaluate(final=True)
@@ -360,6 +364,8 @@ class LambdaPath(Callback):
         return PathResult(stages, float(st["final"]["lambda"]), st["final"], int(loop.sim.executed),
                           loop.sim.elapsed, extra={"playoff": list(st.get("playoff", [])),
                                                    "lambdas": list(st.get("lambdas", [])),
+                                                   "path_end": st.get("path_end"),
+                                                   "warnings": list(st.get("warnings", [])),
                                                    "summary": dict(loop.summary)})
 
     def on_end(self, loop: RoundLoop, result: LoopResult) -> None:
@@ -385,6 +391,7 @@ class LambdaPath(Callback):
             visited = " ".join(f"{s['lambda']:g}" for s in st["stages"])
             played = " ".join(f"{s['lambda']:g}" for s in st.get("playoff", []))
             out["path.lambdas_run"] = visited + (f" | playoff {played}" if played else "")
+            out["path.end"] = st.get("path_end", "")
         return out
 
     def state_dict(self) -> dict:
@@ -426,3 +433,7 @@ def separate_run(sim, lam: float, settings: PathSettings,
     set_lambda(sim, lam)
     controller = _run(sim, LambdaPath(settings, "separate"), on_round)
     return controller.st["final"]
+
+
+__all__ = ["LambdaPath", "PATH_ENDS", "PATH_METRICS", "PathResult", "PathSettings", "converged", "require_validation",
+           "separate_run", "set_lambda", "stage_record", "warmup_path"]

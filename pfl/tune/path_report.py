@@ -11,15 +11,54 @@ import csv
 from pathlib import Path
 
 # a stage record's keys -> the names its MLflow metrics carry after the prefix (stage/, playoff/)
-STAGE_METRICS = {"lambda": "lambda", "val/acc_mean": "val_acc", "val/rmse_mean": "val_rmse",
-                 "test/acc_mean": "test_acc", "test/rmse_mean": "test_rmse", "cluster/num": "clusters",
-                 "cluster/ari": "ari", "rounds": "rounds", "converged": "converged", "lineage": "lineage_rounds",
-                 "wall_s": "compute_time_s", "cpu_s": "cpu_time_s"}
+STAGE_METRICS = {"lambda": "lambda", "val/acc_mean": "val_acc", "val/rmse_mean": "val_rmse", "val/acc_se": "val_acc_se",
+                 "val/rmse_se": "val_rmse_se", "test/acc_mean": "test_acc", "test/rmse_mean": "test_rmse",
+                 "cluster/num": "clusters", "cluster/ari": "ari", "ari_prev": "ari_prev", "unchanged": "unchanged",
+                 "rounds": "rounds", "converged": "converged", "primal_rel": "primal_rel", "dual_rel": "dual_rel",
+                 "lineage": "lineage_rounds", "wall_s": "compute_time_s", "cpu_s": "cpu_time_s"}
+
+
+def partition_change(before: list[int], after: list[int]) -> float:
+    """How much a partition of the same devices moved: the adjusted Rand index between the two (1:
+    the same partition, whatever the labels' names)."""
+    from sklearn.metrics import adjusted_rand_score
+
+    if len(set(before)) == 1 and len(set(after)) == 1:
+        return 1.0   # both one cluster (sklearn agrees; said here so the case is plain)
+    return float(adjusted_rand_score(before, after))
+
+
+#: what a λ-tuning trial reports besides the run's own metrics
+PATH_METRICS = ("fpfc/selected_lambda", "fpfc/total_rounds", "fpfc/path_stages", "fpfc/lineage_rounds",
+                "fpfc/converged", "fpfc/path_rounds", "fpfc/playoff_total_rounds", "fpfc/final_rounds",
+                "fpfc/grid_extended", "fpfc/decline_reached", "fpfc/path_end", "fpfc/frozen", "fpfc/budget_reached",
+                "fpfc/trial_wall_s", "fpfc/compute_s", "fpfc/cpu_s", "stage/*", "playoff/*")
+#: the run's metrics a stage record keeps
+RECORD_KEYS = ("val/acc_mean", "val/rmse_mean", "val/acc_se", "val/rmse_se", "test/acc_mean", "test/rmse_mean",
+               "cluster/num", "cluster/ari", "fpfc/readout_acc")
+
+
+def stage_record(lam: float, metrics: dict, rounds: int, wall: float, **extra) -> dict:
+    """A segment's record: its λ, rounds and time, the run's metrics of :data:`RECORD_KEYS` as they
+    stood at its end, and ``extra`` (numbers, or text such as what ended it)."""
+    out = {"lambda": float(lam), "rounds": float(rounds), "wall_s": wall}
+    out.update({k: float(metrics[k]) for k in RECORD_KEYS if k in metrics})
+    out.update({k: v if isinstance(v, str) else float(v) for k, v in extra.items()})
+    return out
 
 
 def stage_metrics(stage: dict, prefix: str = "stage/") -> dict[str, float]:
-    """A path stage (or playoff match) as metrics (``stage/*``, ``playoff/*``)."""
-    return {prefix + name: float(stage[key]) for key, name in STAGE_METRICS.items() if key in stage}
+    """A path stage (or playoff match) as metrics (``stage/*``, ``playoff/*``); what ended it as
+    ``stage/end`` (0 converged, 1 the stage cap, 2 the budget, 3 a playoff match's length, 4 left glued)."""
+    out = {prefix + name: float(stage[key]) for key, name in STAGE_METRICS.items()
+           if key in stage and stage[key] == stage[key]}
+    if "end" in stage:
+        out[prefix + "end"] = float(SEGMENT_ENDS.get(stage["end"], -1))
+    return out
+
+
+#: what ended a segment, as the number ``stage/end`` logs
+SEGMENT_ENDS = {"converged": 0, "stage cap": 1, "budget": 2, "playoff": 3, "glued": 4}
 
 
 def write_stages(stages: list[dict], path: Path) -> Path:
