@@ -287,8 +287,8 @@ def finish(ctx, wall: float) -> int:
 
     from pfl.tracking import run_hint, runs_table_view
     from pfl.tune.path_compare import (explanation, markdown, per_lambda, recommend, recommendation_line,
-                                       separate_per_seed, strategy_row, verdict)
-    from pfl.tune.path_records import stage_history, stage_lines
+                                       separate_per_seed, strategy_row, verdict, visited_runs)
+    from pfl.tune.path_records import log_recommendation, stage_history, stage_lines
     from pfl.tune.path_report import plot_path, plot_selection, stage_metrics
 
     groups = {"warmup": ctx.paths, **{f"warmup-{d}": group for d, group in ctx.others.items()}}
@@ -296,13 +296,20 @@ def finish(ctx, wall: float) -> int:
     rows = [strategy_row(name, group) for name, group in groups.items() if group]
     sep = strategy_row("separate", separate_seeds) if separate_seeds else None
     lambdas = per_lambda(ctx.paths, ctx.runs)
-    notes = explanation(ctx.settings, rows[:1] + ([sep] if sep else []), ctx.search, ctx.walls)
+    rec = recommend(groups, ctx.runs, ctx.sign, ctx.settings.noise_se)
+    # each path order against the separate runs of the λ it visited, as if it had run alone
+    own = {name: separate_per_seed(visited_runs(group, ctx.runs), ctx.sign, ctx.settings.noise_se)
+           for name, group in groups.items() if group}
+    own = {name: strategy_row("separate", per_seed) for name, per_seed in own.items() if per_seed}
+    notes = explanation(ctx.settings, rows[:1] + ([own.get("warmup", sep)] if sep else []), ctx.search, ctx.walls)
     if ctx.others:
         notes.insert(1, "warmup-<order>: the same path in another order (" + ", ".join(ctx.others) + ") at the setting "
                      f"the {ctx.settings.direction} path's search chose, on every seed; rows named warmup are "
-                     f"{ctx.settings.direction}.")
-    rec = recommend(groups, ctx.runs, ctx.sign, ctx.settings.noise_se)
-    closing = ([verdict(row, sep) for row in rows] if sep else []) + ([recommendation_line(rec)] if rec else [])
+                     f"{ctx.settings.direction}; each order is compared with the separate runs of the λ it visited, "
+                     "the separate row holds every λ trained from scratch.")
+    closing = [verdict(row, own[row["strategy"]], "" if own[row["strategy"]]["models"] == sep["models"] else
+                       f" (the {own[row['strategy']]['models'] // len(ctx.seeds)} λ it visited)")
+               for row in rows if sep and row["strategy"] in own] + ([recommendation_line(rec)] if rec else [])
     warnings = [f"warning ({name}, seed {p['seed']}): the path's partition froze while λ grew (stage report: ARI "
                 "1.00 between consecutive stages); a larger λ cannot re-fuse pairs already farther apart than aλ"
                 for name, group in groups.items() for p in group if p.get("frozen") == 1]
@@ -358,10 +365,10 @@ def finish(ctx, wall: float) -> int:
                       "pfl.selected_trial": str(ctx.best_trial["trial"]),
                       "pfl.selected_run_id": str(ctx.best_trial["mlflow_run_id"])})
     if rec:
-        log_recommendation(ctx, top, rec)
-    if sep and ctx.paths and rows[0]["rounds"] and rows[0]["compute_s"]:
-        top.log_metrics({"speedup/rounds": sep["rounds"] / rows[0]["rounds"],
-                         "speedup/compute": sep["compute_s"] / rows[0]["compute_s"]})
+        log_recommendation(top, rec)
+    if "warmup" in own and rows[0]["rounds"] and rows[0]["compute_s"]:
+        top.log_metrics({"speedup/rounds": own["warmup"]["rounds"] / rows[0]["rounds"],
+                         "speedup/compute": own["warmup"]["compute_s"] / rows[0]["compute_s"]})
     top.log_metrics({"search/paths": float(len(ctx.search)), "search/rounds": sum(r["rounds"] for r in ctx.search),
                      "pipeline/wall_s": wall})
     top.set_tags({"pfl.status": "finished", "mlflow.note.content": overview(ctx, rows, closing)})
@@ -373,20 +380,6 @@ def finish(ctx, wall: float) -> int:
     if view:
         print(view)
     return 0
-
-
-def log_recommendation(ctx, top, rec: dict) -> None:
-    """The recommended model on the pipeline run: tags, its figures over seeds (``recommended/*``) and
-    the first seed's model's metrics under its trial's names (one runs-table column for all levels)."""
-    from pfl.tracking import client
-
-    top.set_tags({"pfl.recommended_lambda": " ".join(f"{v:g}" for v in rec["lambdas"]),
-                  "pfl.recommended_strategy": rec["strategy"], "pfl.recommended_run_id": rec["run_ids"][0]})
-    top.log_metrics({f"recommended/{k}{sd}": float(rec[k + sd]) for k in ("val", "test", "clusters", "ari")
-                     for sd in ("", "_sd") if rec[k + sd] == rec[k + sd]})
-    chosen = client().get_run(rec["run_ids"][0]).data.metrics
-    top.log_metrics({k: float(v) for k, v in chosen.items()
-                     if "/" in k and not k.startswith(("stage/", "playoff/")) and v == v})
 
 
 def overview(ctx, rows: list[dict], closing: list[str]) -> str:

@@ -259,7 +259,7 @@ def test_every_param_of_a_lambda_path_trial_is_the_value_the_run_used(tmp_path):
     from pfl.tracking import client
     from pfl.tune.lambda_path import PathSettings
 
-    cfg = small_config(method__name="fpfc", data__val_fraction=0.2, federation__rounds=12,
+    cfg = small_config(method__name="fpfc", data__val_fraction=0.2, federation__rounds=40,
                        tracking__enabled=True, tracking__experiment="params")
     settings = PathSettings(lambdas=[0.2, 0.4], eval_every=2, stage_cap=4, window=1, tolerance=1.0,
                             residual_tol=0.0, patience=5, extend=0, finalists=1, budget=10)

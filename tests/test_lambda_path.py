@@ -191,20 +191,23 @@ def test_the_budget_holds_and_every_reported_metric_is_the_selected_models():
     settings = PathSettings(lambdas=[0.4, 0.6, 0.8, 1.0], tolerance=1e-3, window=3, eval_every=10, stage_cap=100,
                             patience=5, finalists=2, playoff_rounds=40, budget=250)
     sim = StubSim(acc)
-    result = warmup_path(sim, settings)
-    assert sim.max_lineage == 250                                          # no lineage past the budget
+    lineages = []
+    result = warmup_path(sim, settings, on_round=lambda m: lineages.append((sim.round, sim.method.hp.lam)))
     assert [s["lambda"] for s in result.stages] == [0.4, 0.6, 0.8]         # the third stage ends at 250
     assert [s["lineage"] for s in result.stages] == [100, 200, 250]
     # latest first: 0.8 is already at the playoff's total (the budget), 0.6 continues 200 -> 250
     assert [(m["lambda"], m["rounds"]) for m in result.extra["playoff"]] == [(0.8, 0), (0.6, 50)]
-    assert result.best_lambda == 0.8 and sim.round == 250 and sim.lineage[-1] == 0.8
+    # no path or playoff round past the budget's lineage; then the winner, 50 rounds at λ 0.8 so far,
+    # trains (never converging) until it has had the budget's 250 rounds at its λ, like a separate run
+    assert max(r for r, _ in lineages[:300]) == 250
+    assert result.best_lambda == 0.8 and sim.round == 250 + 200 and sim.lineage[-201:] == [0.8] * 201
     summary = result.extra["summary"]
-    expected = acc(250, 0.8, 0)                                            # 0.95; the last match's model: 0.85
+    expected = acc(450, 0.8, 0)                                            # the last match's model: acc(250, 0.6)
     assert summary["val/acc_mean"] == pytest.approx(expected)
     assert summary["test/acc_p10"] == pytest.approx(expected - 0.1)
-    assert result.final["test/acc_mean"] == pytest.approx(expected - 0.01)
-    assert summary["fpfc/budget_reached"] == 1 and summary["fpfc/final_rounds"] == 0
-    assert result.total_rounds == summary["fpfc/total_rounds"] == sim.executed == 250 + 50
+    assert result.final["test/acc_mean"] == pytest.approx(expected - 0.01) and result.final["end"] == "budget"
+    assert summary["fpfc/budget_reached"] == 1 and summary["fpfc/final_rounds"] == 200
+    assert result.total_rounds == summary["fpfc/total_rounds"] == sim.executed == 250 + 50 + 200
 
 
 def test_a_regression_source_chooses_by_rmse_and_stops():
@@ -456,6 +459,18 @@ def test_both_strategies_are_counted_per_seed_with_every_trial_and_the_spread_ov
     assert rows[1.2]["separate_rounds"] == 1200 and rows[1.2]["separate_capped"] == 1
     text = markdown([warm, sep], list(rows.values()))
     assert "| 1.2 | 40 (converged) | 1200 (1 of 2 at a cap) |" in text and "| warmup | 0.8, 0.8 |" in text
+
+
+def test_each_path_order_is_counted_against_the_separate_runs_of_the_lambdas_it_visited():
+    from pfl.tune.path_compare import separate_per_seed, strategy_row, verdict, visited_runs
+
+    path = _path(0, 1000, 250, 0.86, 0.85, 0.6, [(1.0, 300, 0, 0.80), (0.6, 300, 1, 0.86)])
+    runs = [_run(0, lam, 1000, 0.8 + lam / 100, 0.8) for lam in (0.2, 0.4, 0.6, 0.8, 1.0)]
+    own = visited_runs([path], runs)
+    assert sorted(r["lambda"] for r in own) == [0.6, 1.0]          # not 0.2, 0.4, 0.8: another order's
+    line = verdict(strategy_row("warmup", [path]), strategy_row("separate", separate_per_seed(own)),
+                   " (the 2 λ it visited)")
+    assert line.startswith("warmup vs separate (the 2 λ it visited): λ 0.6 vs 1") and "2.0× fewer rounds" in line
 
 
 def test_with_one_seed_there_is_no_spread_and_the_tables_say_so():

@@ -111,6 +111,17 @@ def test_tune_fpfc_presets_apply_and_validate():
     assert err.value.field == "presets.bad.search.method.rho.low"
 
 
+def test_tune_fpfc_refuses_a_direction_twice_and_an_unknown_one_before_ray(capsys):
+    sys.path.insert(0, str(ROOT / "pipelines"))
+    from tune_fpfc import main
+
+    assert main(["--smoke", "--direction", "descending", "ascending", "descending"]) == 2
+    assert "--direction" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as err:       # argparse: not one of the orders
+        main(["--smoke", "--direction", "sideways"])
+    assert err.value.code == 2
+
+
 def test_resources_parse_and_reject():
     from pfl.tune.sweep import parse_resources
 

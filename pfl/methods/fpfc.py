@@ -105,7 +105,7 @@ from ..training import Params, PullTo
 from . import register
 from .base import ClientHandle, EvalPlan, Method
 from .fpfc_admm import (FPFCJoin, Prox, Residuals, glued_clusters, pair_update, pairwise_norms, plot_theta_norms,
-                        zeta)
+                        theta_gap, zeta)
 
 
 @dataclass
@@ -377,20 +377,7 @@ class FPFC(FPFCJoin, Method):
     def theta_gap(self) -> dict[str, float]:
         """Largest ‖θ_ij‖ inside a true cluster, smallest between true clusters (any ν between works)."""
         true = self.ctx.meta.true_clusters
-        if true is None:
-            return {}
-        dist = self.distances().cpu().numpy()
-        same = np.equal.outer(true, true)
-        np.fill_diagonal(same, False)
-        diff = ~np.equal.outer(true, true)
-        exists = np.isfinite(dist)
-        same, diff = same & exists, diff & exists
-        out = {}
-        if same.any():
-            out["fpfc/theta_max_within"] = float(dist[same].max())
-        if diff.any():
-            out["fpfc/theta_min_between"] = float(dist[diff].min())
-        return out
+        return {} if true is None else theta_gap(self.distances().cpu().numpy(), true)
 
     def readout_models(self, labels: np.ndarray) -> torch.Tensor:
         """(m, p): every device's n_i-weighted average of the uploaded models of its cluster."""

@@ -177,6 +177,21 @@ def glued_clusters(dist: torch.Tensor, labels, lam: float) -> float:
     return float(glued.sum())
 
 
+def theta_gap(dist: np.ndarray, true) -> dict[str, float]:
+    """The largest ‖θ_ij‖ inside a true cluster and the smallest between true clusters (pairs that do
+    not exist, at +inf, left out): any read-out threshold between the two recovers the clusters."""
+    same = np.equal.outer(true, true)
+    np.fill_diagonal(same, False)
+    exists = np.isfinite(dist)
+    within, between = dist[same & exists], dist[~np.equal.outer(true, true) & exists]
+    out = {}
+    if within.size:
+        out["fpfc/theta_max_within"] = float(within.max())
+    if between.size:
+        out["fpfc/theta_min_between"] = float(between.min())
+    return out
+
+
 def pairwise_norms(theta: torch.Tensor) -> torch.Tensor:
     """‖θ_ij‖ for all pairs, (m, m)."""
     return torch.linalg.vector_norm(theta, dim=-1)
@@ -262,5 +277,5 @@ class FPFCJoin:
             self.settled += [c for c, ok in zip(cids, (change <= tol * scale).tolist()) if ok]
 
 
-__all__ = ["FPFCJoin", "Prox", "Residuals", "glued_clusters", "pair_residual_sq", "pair_update", "pairwise_norms", "plot_theta_norms",
-           "zeta"]
+__all__ = ["FPFCJoin", "Prox", "Residuals", "glued_clusters", "pair_residual_sq", "pair_update", "pairwise_norms",
+           "plot_theta_norms", "theta_gap", "zeta"]

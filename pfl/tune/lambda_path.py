@@ -16,7 +16,9 @@ factor), at most ``extend`` λ values; ``fpfc/decline_reached`` says whether it 
 same number of lineage rounds (the latest one's plus ``playoff_rounds``), so candidates are
 compared at equal training; the best — or a finalist with fewer clusters within the noise
 (:func:`pfl.tune.path_settings.parsimonious`) — is continued until convergence (the final
-continuation). No lineage trains past ``budget`` rounds.
+continuation). The path and the playoff stop at ``budget`` lineage rounds; the final continuation
+stops, like a separate run, when the selected model has trained ``budget`` rounds at its λ (its
+stage and playoff rounds included).
 
 Directions: ``ascending`` is the paper's order. From a common start it splits the devices at the
 first (small) λ, and SCAD cannot undo that: a pair farther apart than aλ feels no pull, so larger λ
@@ -261,7 +263,7 @@ class LambdaPath(Callback):
         if len(finalists) >= size and score <= finalists[-1]["score"]:
             return
         finalists.append({"lam": self.st["lam"], "score": score, "lineage": sim.round, "record": dict(record),
-                          "state": sim.snapshot()})
+                          "at_lambda": record["rounds"], "state": sim.snapshot()})
         finalists.sort(key=lambda c: -c["score"])
         del finalists[size:]
 
@@ -297,7 +299,8 @@ class LambdaPath(Callback):
     def _match_done(self, loop: RoundLoop, metrics: dict | None, record: Stage, score: float) -> None:
         st = self.st
         candidate = st["finalists"][st["match"]]
-        candidate.update(score=score, record=dict(record), lineage=loop.sim.round, state=loop.sim.snapshot())
+        candidate.update(score=score, record=dict(record), lineage=loop.sim.round, state=loop.sim.snapshot(),
+                         at_lambda=candidate.get("at_lambda", 0.0) + record["rounds"])
         st["playoff"].append(record)
         if metrics is not None:
             metrics.update(stage_metrics(record, "playoff/"))
@@ -316,8 +319,11 @@ class LambdaPath(Callback):
         sim.restore(winner["state"])
         st["finalists"] = [dict(winner, state=None)]  # the other snapshots are no longer needed
         st["selected"] = winner["lam"]
-        if self.settings.budget > sim.round:
-            self._segment(sim, winner["lam"], self.settings.budget - sim.round, stop_early=True)
+        # like a separate run, the selected model trains at most `budget` rounds at its λ (its stage and
+        # playoff rounds included), so a path that spent its lineage on other λ still converges it
+        left = self.settings.budget - int(winner.get("at_lambda", 0))
+        if left > 0:
+            self._segment(sim, winner["lam"], left, stop_early=True)
         else:
             set_lambda(sim, winner["lam"])
             st.update(lam=winner["lam"], start=sim.round, t0=sim.elapsed)

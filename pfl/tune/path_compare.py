@@ -187,9 +187,17 @@ def markdown(rows: list[dict], lambdas: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def verdict(warm: dict, sep: dict) -> str:
+def visited_runs(paths: list[dict], runs: list[dict]) -> list[dict]:
+    """The separate runs of the λ values these paths visited: the separate side a path is counted
+    against (several path orders in one pipeline run visit different λ; the sweep trains them all)."""
+    visited = {st["lambda"] for p in paths for st in p["stages"]} | {p["selected_lambda"] for p in paths}
+    return [r for r in runs if r["lambda"] in visited]
+
+
+def verdict(warm: dict, sep: dict, against: str = "") -> str:
     """The closing line: λ, accuracy difference against the seed spread (both sides' spreads
-    combined), rounds and compute ratios."""
+    combined), rounds and compute ratios; ``against`` says which λ the separate side holds when it
+    is not every λ trained from scratch."""
     diff = 100 * (warm["test"] - sep["test"])
     sds = [s for s in (warm["test_sd"], sep["test_sd"]) if s == s]
     if sds:
@@ -200,7 +208,7 @@ def verdict(warm: dict, sep: dict) -> str:
     rounds = sep["rounds"] / warm["rounds"] if warm["rounds"] else math.nan
     compute = sep["compute_s"] / warm["compute_s"] if warm["compute_s"] else math.nan
     lam = lambda r: "/".join(f"{v:g}" for v in r["selected_lambda"])  # noqa: E731
-    return (f"{warm['strategy']} vs separate: λ {lam(warm)} vs {lam(sep)}, test acc {diff:+.2f} pt ({within}), "
+    return (f"{warm['strategy']} vs separate{against}: λ {lam(warm)} vs {lam(sep)}, test acc {diff:+.2f} pt ({within}), "
             f"{rounds:.1f}× fewer rounds and {compute:.1f}× less compute, per (ρ, lr) setting and seed, the "
             f"(ρ, lr) search charged to neither.")
 
@@ -224,7 +232,9 @@ def explanation(s, rows: list[dict], search: list[dict], walls: dict[str, float]
             order = " → ".join(f"{v:g}" for v in s.ordered())
             lines.append(f"warmup ({s.direction}): per seed one path through λ = {order}{extend}, "
                          f"each stage {rule} or {s.stage_cap} rounds; the path stops after {s.patience} stages in a "
-                         f"row below the best; {playoff}continued until convergence; no lineage past {s.budget} rounds.")
+                         f"row below the best; {playoff}continued until convergence; the path and the playoff stop at "
+                         f"{s.budget} lineage rounds, the selected model at {s.budget} rounds at its λ (its stage "
+                         "and playoff rounds included), as a separate run does.")
         else:
             lines.append(f"separate: every λ the warm-up visited trained from scratch {rule}, at most {s.budget} "
                          "rounds; the λ with the best final validation score selected, or one with fewer clusters "

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import math
 
-from .path_report import SEGMENT_ENDS, STAGE_METRICS
+from .path_report import SEGMENT_END_NAMES, STAGE_METRICS
 
 NAN = math.nan
-ENDS = {float(v): k for k, v in SEGMENT_ENDS.items()}
 
 
 def best_row(table, metric: str = "val/acc_mean", sign: float = 1.0):
@@ -36,7 +35,7 @@ def stage_history(run_id: str, prefix: str = "stage/") -> list[dict]:
     stages: dict[int, dict] = {}
     for key, name in {**STAGE_METRICS, "end": "end"}.items():
         for m in mc.get_metric_history(run_id, prefix + name):
-            stages.setdefault(m.step, {})[key] = ENDS.get(m.value, "?") if key == "end" else m.value
+            stages.setdefault(m.step, {})[key] = SEGMENT_END_NAMES.get(m.value, "?") if key == "end" else m.value
     return [stages[i] for i in sorted(stages)]
 
 
@@ -90,4 +89,18 @@ def stage_lines(path: dict, direction: str) -> list[str]:
     return lines + ["", f"The path (seed {path['seed']}) ended on {end}; selected λ {path['selected_lambda']:g}."]
 
 
-__all__ = ["best_row", "ok_rows", "path_record", "run_record", "stage_history", "stage_lines"]
+def log_recommendation(top, rec: dict) -> None:
+    """The recommended model on the pipeline run: tags, its figures over seeds (``recommended/*``) and
+    the first seed's model's metrics under its trial's names (one runs-table column for all levels)."""
+    from ..tracking import client
+
+    top.set_tags({"pfl.recommended_lambda": " ".join(f"{v:g}" for v in rec["lambdas"]),
+                  "pfl.recommended_strategy": rec["strategy"], "pfl.recommended_run_id": rec["run_ids"][0]})
+    top.log_metrics({f"recommended/{k}{sd}": float(rec[k + sd]) for k in ("val", "test", "clusters", "ari")
+                     for sd in ("", "_sd") if rec[k + sd] == rec[k + sd]})
+    chosen = client().get_run(rec["run_ids"][0]).data.metrics
+    top.log_metrics({k: float(v) for k, v in chosen.items()
+                     if "/" in k and not k.startswith(("stage/", "playoff/")) and v == v})
+
+
+__all__ = ["best_row", "log_recommendation", "ok_rows", "path_record", "run_record", "stage_history", "stage_lines"]

@@ -59,6 +59,8 @@ def stage_metrics(stage: dict, prefix: str = "stage/") -> dict[str, float]:
 
 #: what ended a segment, as the number ``stage/end`` logs
 SEGMENT_ENDS = {"converged": 0, "stage cap": 1, "budget": 2, "playoff": 3, "glued": 4}
+#: and back, from the number to the name
+SEGMENT_END_NAMES = {float(v): k for k, v in SEGMENT_ENDS.items()}
 
 
 def write_stages(stages: list[dict], path: Path) -> Path:

@@ -62,8 +62,8 @@ class PathSettings:
                            "1: no playoff, the best stage is continued", low=1)
     playoff_rounds: int = hp(50, "rounds the latest finalist is continued in the playoff; the others are "
                                  "continued to the same lineage total", low=0)
-    budget: int = hp(1000, "most rounds any model's lineage trains: a separate run, and a warm-up lineage "
-                           "(path, playoff and final continuation)", low=1)
+    budget: int = hp(1000, "most rounds a model trains at one λ (a separate run; the warm-up's selected model, its "
+                           "stage and playoff rounds included) and most lineage rounds of a path and its playoff", low=1)
 
     def validate(self, path: str) -> None:
         def key(name: str) -> str:

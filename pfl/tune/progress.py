@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from .path_report import SEGMENT_END_NAMES
 from .results import failure_reason
 
 # hyperparameters a label writes as the symbols the method notes use
@@ -70,7 +71,11 @@ class ProgressLines:
                         parts.append(f"{name} {int(value)}" if key == "cluster/num" else f"{name} {value:.4f}")
                 for kind in ("stage", "playoff"):
                     if f"{kind}/lambda" in result:
-                        parts.append(f"{kind} λ={result[f'{kind}/lambda']:g} ended (val {result.get(f'{kind}/val_acc', float('nan')):.4f})")
+                        why = SEGMENT_END_NAMES.get(result.get(f"{kind}/end"), "")
+                        rounds = result.get(f"{kind}/rounds")
+                        how = ", ".join(x for x in (why, f"{rounds:.0f} rounds" if rounds is not None else "") if x)
+                        parts.append(f"{kind} λ={result[f'{kind}/lambda']:g} ended ({how + ', ' if how else ''}"
+                                     f"val {result.get(f'{kind}/val_acc', float('nan')):.4f})")
                 self._line(trial, " | ".join(parts))
 
             def on_trial_complete(self, iteration, trials, trial, **info):
