@@ -7,7 +7,8 @@ import logging
 import sys
 from typing import Sequence
 
-from .federation.store import StoreError
+from .federation.checkpoint import CheckpointError
+from .federation.store import DamagedFileError, StoreError
 from .schema import ConfigError, describe
 
 
@@ -17,8 +18,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from .runner import format_bytes, run_experiment
     from .tracking import check_store, run_hint
 
-    if args.resume and not args.checkpoint:
-        raise ConfigError("--resume", "needs --checkpoint FILE (the checkpoint to continue from)")
+    if args.resume and args.resume_if_exists:
+        raise ConfigError("--resume", "give --resume (the checkpoint must exist) or --resume-if-exists, not both")
+    if (args.resume or args.resume_if_exists) and not args.checkpoint:
+        flag = "--resume" if args.resume else "--resume-if-exists"
+        raise ConfigError(flag, "needs --checkpoint FILE (the checkpoint to continue from)")
     overrides = list(args.set or [])
     if args.no_track:
         overrides.append("tracking.enabled=false")
@@ -35,7 +39,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"note: {note}")
     if cfg.tracking.enabled:
         check_store()
-    summary = run_experiment(cfg, checkpoint=args.checkpoint, resume=args.resume)
+    resume = "if-exists" if args.resume_if_exists else args.resume
+    summary = run_experiment(cfg, checkpoint=args.checkpoint, resume=resume)
     final = summary.final
     print("\n== summary ==")
     print(f"method {cfg.method.name} on {cfg.data.source}: {summary.status}"
@@ -136,7 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--scenario", help="start from a named scenario of search_spaces/scenarios.yaml "
                                         "(e.g. fpfc_s1, fmnist_labelswap)")
     run.add_argument("--checkpoint", help="checkpoint file (saved every federation.checkpoint_every rounds and at the end)")
-    run.add_argument("--resume", action="store_true", help="continue from --checkpoint if it exists")
+    run.add_argument("--resume", action="store_true",
+                     help="continue from --checkpoint (refused when it does not exist or cannot be used)")
+    run.add_argument("--resume-if-exists", action="store_true",
+                     help="continue from --checkpoint when it exists, else start a new run (for jobs that are restarted)")
     run.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     plugin_help = "a .py file or module whose @register classes (methods, models, data sources) join pfl's (repeatable)"
     run.add_argument("--plugin", action="append", metavar="FILE", help=plugin_help)
@@ -159,8 +167,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
+    except CheckpointError as err:   # missing, damaged, another version's or another run's
+        print(f"checkpoint error: {err.message}", file=sys.stderr)
+        return 2
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
+        return 2
+    except DamagedFileError as err:  # a client-state file found damaged while the run read it
+        print(f"error: {err}", file=sys.stderr)
         return 2
     except StoreError as err:  # client states or a checkpoint could not be written: the path and why
         print(f"error: {err}", file=sys.stderr)

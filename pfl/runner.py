@@ -51,11 +51,12 @@ def tracker_opener(cfg: ExperimentConfig, tracker: Tracker | None = None) -> Cal
 
 def run_experiment(cfg: ExperimentConfig, *, progress: Callable[[str], None] | None = print,
                    tracker: Tracker | None = None, checkpoint: str | Path | None = None,
-                   resume: bool = False, data=None, callbacks: Sequence[Callback] = ()) -> RunSummary:
+                   resume: bool | str = False, data=None, callbacks: Sequence[Callback] = ()) -> RunSummary:
     """Train one experiment, logging to MLflow unless ``cfg.tracking.enabled`` is false.
 
     With ``checkpoint`` set, the state is saved there every ``federation.checkpoint_every`` rounds
-    and at the end; ``resume=True`` continues from it (and from its MLflow run). ``callbacks`` run
+    and at the end; ``resume=True`` continues from it (and from its MLflow run) and refuses a
+    checkpoint that does not exist, ``resume="if-exists"`` starts a new run then. ``callbacks`` run
     after the divergence check and before tracking. The round driver is the one
     ``federation.driver`` names.
     """
@@ -68,10 +69,12 @@ def run_experiment(cfg: ExperimentConfig, *, progress: Callable[[str], None] | N
     if ckpt is not None:
         chain.append(Checkpointer(ckpt, cfg.federation.checkpoint_every))
     loop = RoundLoop(sim, chain)
-    if resume and ckpt is not None and ckpt.is_file():
-        loop.load(ckpt)
+    if resume and ckpt is not None and (ckpt.exists() or resume != "if-exists"):
+        loop.load(ckpt)   # a missing or damaged checkpoint: CheckpointError naming it
         if progress:
             progress(f"resumed from {ckpt} at round {sim.round}")
+    elif resume and ckpt is not None and progress:
+        progress(f"no checkpoint at {ckpt}: a new run")
     result = loop.run()
     final: dict[str, float] = {}
     for row in sim.history:

@@ -20,12 +20,16 @@ clients). Measured in the child:
   are in the wall time only);
 * **eval s**: one evaluation of ``federation.eval_clients`` = 1,000 clients (the same sample at
   every population);
-* **ckpt s**: the first checkpoint after R rounds, then the next one after one more round (a disk
-  store links only the new segments); **ckpt MB**: the checkpoint file and its segment folder;
+* **ckpt s**: the first checkpoint after R rounds, then the next one after one more round, while training
+  waits (a disk store links only the new segments); **ckpt MB**: the file and its segment folder;
 * **store MB**: the disk store's segment files; **stored**: clients with a record;
 * **peak RSS**: the process's peak resident set (``ru_maxrss``; the largest of the repeats, the
   first of which has the full evaluation), **base RSS** the resident set after the imports;
-* with ``--full-eval``, **full eval s**: the final evaluation, every client.
+* with ``--full-eval``, **full eval s**: the final evaluation, every client;
+* integrity: **CRC s/round** (records' CRC-32s made and checked, mean of rounds 1..R); of the checkpoint
+  after one round, the records' CRC while training waits, then (on a thread) the time until it is
+  sealed, synced and in place, with its CRC and fsync s (each timed in the child); **verify s**: a
+  resume's check of it.
 
 Each row runs ``--repeats`` times, all rows in turn before the next repeat, and the table shows
 medians (``round_s_runs`` in the CSV: every run's s/round); the full evaluation is timed in the first
@@ -34,14 +38,12 @@ population's in the same repeat (the two ran minutes apart at most, so a change 
 speed between repeats cancels), with the range over the repeats in brackets.
 
 With ``--long-rounds N``, each method also runs N rounds at the largest population in one process,
-and a second table gives s/round in ten blocks of N/10 rounds with the clients that have a stored
-state and the store's segments by then: whether a round gets slower as the store fills (records to
-read back, segments to index) — what the first table's ten rounds cannot show. The load average of the machine is read before and after each run and the table shows
-its range (the machine is shared: times are noisy under load; compare rows of one table).
+and another table gives s/round in ten blocks of N/10 rounds with the clients stored and the store's
+segments by then: whether a round gets slower as the store fills — what ten rounds cannot show. The
+machine's load average before and after each run is in the table (times are noisy under load).
 
-FPFC is not run: its server keeps θ and v, two dense (m, m, p) tensors, so with this model
-(p = 34,186) it needs 2·m²·p·4 bytes — 2.7 GB at m = 100, 273 GB at m = 1,000 — and stops at
-m ≈ 125 on a 4 GiB budget (m ≈ 450 with softmax regression); the table says so.
+FPFC is not run: its server keeps θ and v, two dense (m, m, p) tensors: 2·m²·p·4 bytes with this
+model, 2.7 GB at m = 100, 273 GB at m = 1,000; the table says so.
 
 Prints the table, logs it (CSV, Markdown) and a plot (s/round, peak RSS, start-up and checkpoint
 time against the population) to an MLflow run ``bench_scale``. The goals (issue 27): s/round at
@@ -66,6 +68,7 @@ sys.path.insert(0, str(ROOT))
 
 FEATURES, HIDDEN, CLASSES = 256, 128, 10
 PARAMS = FEATURES * HIDDEN + HIDDEN + HIDDEN * CLASSES + CLASSES
+INTEGRITY = ("crc_round_s", "ckpt_crc_s", "ckpt_synced_after_s", "ckpt_seal_crc_s", "ckpt_fsync_s", "verify_s")
 
 
 def bench_config(spec: dict, rounds: int, **extra):
@@ -105,37 +108,64 @@ def child_long(spec: dict) -> list[dict]:
     return out
 
 
+def timed(owner, name: str, spent: dict) -> None:
+    """``owner.name`` (a function) now adds the seconds of each call to ``spent[name]``."""
+    real = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        out = real(*args, **kwargs)
+        spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
+        return out
+    setattr(owner, name, wrapper)
+
+
 def child(spec: dict) -> dict:
     """One row, measured in this (fresh) process."""
     import resource
 
     t0 = time.perf_counter()
     base_load = os.getloadavg()[0]
-    from pfl.federation.checkpoint import clients_dir, save_checkpoint
+    from pfl.federation import durable, records
+    from pfl.federation.checkpoint import clients_dir, read_checkpoint, save_checkpoint, wait_checkpoint
+    from pfl.federation.diskstore import check_checkpoint_records, is_disk_part
     from pfl.federation.simulator import Simulator
+
+    spent: dict[str, float] = {}
+    for owner, name in ((records, "checksum"), (durable, "file_crc"), (os, "fsync")):
+        timed(owner, name, spent)
 
     base_rss = rss_mib()
     cfg = bench_config(spec, spec["rounds"] + 10, **{"federation.eval_clients": 1000})
     t_cfg = time.perf_counter()
     sim = Simulator(cfg)
     startup = time.perf_counter() - t0
-    rounds, cpu = [], []
+    rounds, cpu, crc_before = [], [], spent.get("checksum", 0.0)
     for _ in range(spec["rounds"]):
         start, start_cpu = time.perf_counter(), time.process_time()
         sim.run_round(evaluate=False)
         rounds.append(time.perf_counter() - start)
         cpu.append(time.process_time() - start_cpu)
+    crc_round = (spent.get("checksum", 0.0) - crc_before) / spec["rounds"]
     start = time.perf_counter()
     metrics = sim.evaluate()
     eval_s = time.perf_counter() - start
-    ckpt = Path(spec["ckpt_dir"]) / "ckpt.pt"
-    start = time.perf_counter()
-    save_checkpoint(sim, ckpt)
+    ckpt, start = Path(spec["ckpt_dir"]) / "ckpt.pt", time.perf_counter()
+    save_checkpoint(sim, ckpt, background=True)   # as a run's periodic checkpoints: synced on a thread
     ckpt_first = time.perf_counter() - start
+    wait_checkpoint(ckpt)
     sim.run_round(evaluate=False)
-    start = time.perf_counter()
-    save_checkpoint(sim, ckpt)
+    before, start = dict(spent), time.perf_counter()
+    save_checkpoint(sim, ckpt, background=True)
     ckpt_next = time.perf_counter() - start
+    wait_checkpoint(ckpt)
+    synced_after = time.perf_counter() - start - ckpt_next
+    cost = {k: spent.get(k, 0.0) - before.get(k, 0.0) for k in ("file_crc", "fsync", "checksum")}
+    part, start = read_checkpoint(ckpt)["model"]["clients"], time.perf_counter()
+    assert durable.check_seal(ckpt) is None
+    if is_disk_part(part):
+        check_checkpoint_records(part, clients_dir(ckpt))
+    verify_s = time.perf_counter() - start
     out = {
         "startup_s": startup, "sim_s": startup - (t_cfg - t0),
         "round_s": statistics.mean(rounds[1:]) if len(rounds) > 1 else rounds[0],
@@ -145,8 +175,8 @@ def child(spec: dict) -> dict:
         "store": sim.store.kind, "store_mb": du(sim.store.root) if sim.store.kind == "disk" else 0.0,
         "stored": int((sim.store.index["client"] >= 0).sum()) if sim.store.kind == "disk" else sim.num_clients,
         "built": getattr(sim.data.clients, "built", sim.num_clients), "base_rss_mib": base_rss,
-        "load_before": base_load,
-    }
+        "load_before": base_load, "crc_round_s": crc_round, "ckpt_crc_s": cost["checksum"],
+        "ckpt_seal_crc_s": cost["file_crc"], "ckpt_fsync_s": cost["fsync"], "ckpt_synced_after_s": synced_after, "verify_s": verify_s}
     if spec["full_eval"]:
         start = time.perf_counter()
         sim.evaluate(final=True)
@@ -167,13 +197,8 @@ def du(path: Path) -> float:
     """MB of the files at ``path`` (each inode once)."""
     path = Path(path)
     files = [path] if path.is_file() else list(path.rglob("*")) if path.exists() else []
-    seen, total = set(), 0
-    for f in files:
-        st = f.stat()
-        if f.is_file() and st.st_ino not in seen:
-            seen.add(st.st_ino)
-            total += st.st_size
-    return total / 1e6
+    sizes = {st.st_ino: st.st_size for st in (f.stat() for f in files if f.is_file())}   # each inode once
+    return sum(sizes.values()) / 1e6
 
 
 def measure(spec: dict):
@@ -216,6 +241,20 @@ def table(rows: list[dict]) -> str:
             f"{r['eval_s']:.1f} | {full} | {r['ckpt_first_s']:.2f}, "
             f"{r['ckpt_next_s']:.2f} | {r['ckpt_mb']:.0f} | {r['store_mb']:.0f} | {r['stored']:,} | "
             f"{r['peak_rss_mib']:.0f} | {r['load_before']:.1f}–{r['load_after']:.1f} |")
+    return "\n".join(lines)
+
+
+def integrity_table(rows: list[dict]) -> str:
+    """What checksums and synced writes cost, beside the round and the checkpoint they are part of."""
+    lines = ["| method | clients | store | CRC s/round | % of s/round | ckpt s | CRC s in it | % of ckpt | then in "
+             "place s | CRC s | fsync s | verify s |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.get("skipped"):
+            continue
+        lines.append(f"| {r['method']} | {r['clients']:,} | {r['store']} | {r['crc_round_s']:.4f} | "
+                     f"{100 * r['crc_round_s'] / r['round_s']:.1f} | {r['ckpt_next_s']:.3f} | {r['ckpt_crc_s']:.3f} | "
+                     f"{100 * r['ckpt_crc_s'] / r['ckpt_next_s']:.0f} | {r['ckpt_synced_after_s']:.3f} | "
+                     f"{r['ckpt_seal_crc_s']:.3f} | {r['ckpt_fsync_s']:.3f} | {r['verify_s']:.2f} |")
     return "\n".join(lines)
 
 
@@ -299,10 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-track", action="store_true")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    for name in ("rounds", "repeats", "long_rounds"):
-        if getattr(args, name) < (0 if name == "long_rounds" else 1):
-            parser.error(f"--{name.replace('_', '-')} must be at least {0 if name == 'long_rounds' else 1}, "
-                         f"got {getattr(args, name)}")
+    for name, least in (("rounds", 1), ("repeats", 1), ("long_rounds", 0)):
+        if getattr(args, name) < least:
+            parser.error(f"--{name.replace('_', '-')} must be at least {least}, got {getattr(args, name)}")
     if args.child:
         spec = json.loads(args.child)
         print(json.dumps(child_long(spec) if spec.get("long") else child(spec)))
@@ -319,8 +357,7 @@ def main(argv: list[str] | None = None) -> int:
                 spec = {"method": method, "clients": m, "store": store, "rounds": args.rounds,
                         "budget_gb": args.budget_gb, "store_dir": args.store_dir, "work": str(work),
                         "full_eval": args.full_eval and rep == 0}
-                r = measure(spec)
-                runs[(method, m, store)].append(r)
+                runs[(method, m, store)].append(r := measure(spec))
                 print(f"{method:<7} {m:>7,} {store:<5} -> {r['store']:<6} start-up {r['startup_s']:5.1f} s  "
                       f"{r['round_s']:.2f} s/round ({r['round_cpu_s']:.2f} CPU)  eval {r['eval_s']:.1f} s  ckpt {r['ckpt_first_s']:.2f}/"
                       f"{r['ckpt_next_s']:.2f} s  peak {r['peak_rss_mib']:.0f} MiB  load {r['load_before']:.1f}",
@@ -339,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     for (method, m, store), done in runs.items():
         row = dict(done[0])
-        for key in ("startup_s", "round_s", "round_cpu_s", "eval_s", "ckpt_first_s", "ckpt_next_s"):
+        for key in ("startup_s", "round_s", "round_cpu_s", "eval_s", "ckpt_first_s", "ckpt_next_s", *INTEGRITY):
             row[key] = statistics.median(r[key] for r in done)
         row["peak_rss_mib"] = max(r["peak_rss_mib"] for r in done)  # the worst (the full evaluation's run)
         row["round_s_runs"] = " ".join(f"{r['round_s']:.5f}" for r in done)
@@ -358,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     rows += [{"method": "fpfc", "clients": m, "skipped": f"θ and v need {fpfc_gb(m):,.0f} GB (2·m²·p floats, "
               f"p = {PARAMS:,})"} for m in sorted(args.populations)]
     cpus = os.cpu_count()
-    text = table(rows)
+    text = table(rows) + "\n\nWhat integrity costs (medians over the repeats):\n\n" + integrity_table(rows)
     title = (f"== bench_scale: crowd source, MLP 256-128-10 ({PARAMS:,} parameters), 100 clients a round, "
              f"{args.rounds} rounds, client_memory_gb {args.budget_gb:g}, {cpus} CPUs ==")
     print("\n" + title + "\n" + text)
@@ -383,7 +420,8 @@ def main(argv: list[str] | None = None) -> int:
             key = f"{r['method']}_{r['store_choice']}"
             tracker.log_metrics({f"{key}/{k}": float(r[k]) for k in
                                  ("startup_s", "round_s", "round_cpu_s", "x_1k", "cpu_x_1k", "eval_s", "ckpt_first_s",
-                                  "ckpt_next_s", "ckpt_mb", "store_mb", "peak_rss_mib", "load_before")}, step=r["clients"])
+                                  "ckpt_next_s", "ckpt_mb", "store_mb", "peak_rss_mib", "load_before", *INTEGRITY)},
+                                step=r["clients"])
         for method, blocks in long_runs.items():
             for b in blocks:
                 tracker.log_metrics({f"{method}_long/{k}": float(b[k]) for k in ("round_s", "round_cpu_s", "stored")},

@@ -23,13 +23,22 @@ def test_bench_scale_measures_both_stores_and_a_long_run(tmp_path):
                           capture_output=True, text=True, cwd=tmp_path, timeout=600,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.splitlines()
+    main, _, integrity = proc.stdout.partition("What integrity costs")
+    lines = main.splitlines()
     rows = {tuple(c.strip() for c in line.split("|")[1:4]): [c.strip() for c in line.split("|")[1:-1]]
             for line in lines if line.startswith("| fedavg") or line.startswith("| ditto")}
+    costs = {tuple(c.strip() for c in line.split("|")[1:4]): [c.strip() for c in line.split("|")[1:-1]]
+             for line in integrity.splitlines() if line.startswith(("| fedavg", "| ditto")) and line.count("|") == 13}
+    assert set(costs) == set(rows)
+    assert float(costs[("ditto", "3,000", "disk")][3]) > 0          # Ditto's records are checksummed
+    assert float(costs[("fedavg", "300", "memory")][3]) == 0        # FedAvg keeps no client state
+    for cells in costs.values():   # timed: the checkpoint's CRC and fsync, a resume's check
+        assert all(float(c) >= 0 for c in cells[3:])
+    assert float(costs[("ditto", "300", "memory")][9]) > 0     # 300 personal models in the file: CRC'd
     assert rows[("fedavg", "300", "memory")][5] == "1.00 (1.00–1.00)"        # the reference of its own ratio
     assert rows[("ditto", "3,000", "disk")][2] == "disk"
     assert ("ditto", "300", "disk") in rows                                 # both stores on the same clients
-    long_rows = [[c.strip() for c in line.split("|")[1:-1]] for line in lines
+    long_rows = [[c.strip() for c in line.split("|")[1:-1]] for line in integrity.splitlines()
                  if line.startswith("| ditto | ") and line.count("|") == 9]
     stored = [int(row[5].replace(",", "")) for row in long_rows]
     assert len(stored) == 4 and stored == sorted(stored) and 0 < stored[0] <= 100   # the store fills

@@ -525,6 +525,7 @@ def test_a_failed_background_write_fails_the_next_flush(tmp_path, monkeypatch):
 
 def test_a_checkpoint_of_an_earlier_disk_format_is_refused_naming_it(tmp_path):
     from pfl.federation.checkpoint import CheckpointError
+    from pfl.federation.durable import seal
 
     sim = build(small_config(method__name="ditto", federation__rounds=3), "disk")
     run_rounds(sim, until=1)
@@ -532,6 +533,7 @@ def test_a_checkpoint_of_an_earlier_disk_format_is_refused_naming_it(tmp_path):
     raw = torch.load(tmp_path / "c.pt", weights_only=True)
     raw["model"]["clients"]["format"] = 1
     torch.save(raw, tmp_path / "c.pt")
+    seal(tmp_path / "c.pt")   # whole, as that pfl would have written it
     for store in ("disk", "memory"):
         with pytest.raises(CheckpointError, match="disk format 1"):
             load_checkpoint(build(small_config(method__name="ditto", federation__rounds=3), store), tmp_path / "c.pt")
@@ -562,6 +564,8 @@ def test_the_downlink_mirrors_live_in_the_store_not_in_the_stage(tmp_path):
 def test_a_checkpoint_with_the_mirrors_in_the_stage_state_resumes_exactly(tmp_path):
     """Checkpoints written before the mirrors moved into the store kept them in the stage's state:
     such a checkpoint resumes, and ends where the uninterrupted run ends."""
+    from pfl.federation.durable import seal
+
     straight = build(compressed_down(), "memory")
     run_rounds(straight)
     first = build(compressed_down(), "memory")
@@ -572,6 +576,7 @@ def test_a_checkpoint_with_the_mirrors_in_the_stage_state_resumes_exactly(tmp_pa
     raw["model"]["stages"] = {"compression": {"mirrors": part["memories"].pop("compression/mirror")}}
     raw["model"]["clients"] = part["states"]
     torch.save(raw, tmp_path / "c.pt")
+    seal(tmp_path / "c.pt")
     for store in ("memory", "disk"):
         resumed = build(compressed_down(), store)
         load_checkpoint(resumed, tmp_path / "c.pt")

@@ -130,12 +130,17 @@ class Pickled:
 
 
 def test_checkpoint_with_a_pickled_object_is_refused(tmp_path):
+    from pfl.federation.durable import seal
+
     sim = Simulator(small_config())
     path = tmp_path / "evil.pt"
-    torch.save({"format": 2, "payload": Pickled()}, path)
-    with pytest.raises(CheckpointError) as err:
+    torch.save({"format": 4, "payload": Pickled()}, path)
+    with pytest.raises(CheckpointError, match="names code to run") as err:
         load_checkpoint(sim, path)
     assert str(path) in str(err.value) and err.value.field == "--checkpoint"
+    seal(path)   # a checksum that matches does not make it safe
+    with pytest.raises(CheckpointError, match="names code to run"):
+        load_checkpoint(sim, path)
 
 
 def test_checkpoint_refuses_another_config_but_accepts_a_longer_budget(tmp_path):

@@ -19,8 +19,13 @@ with its record.
 **Snapshots and checkpoints are indexes.** Because segments are immutable, a snapshot is a copy
 of the index and spans (:class:`DiskSnapshot`, 28 bytes per client), and a checkpoint is the index plus hard
 links (copies across file systems) to the segments it needs, in a folder next to the checkpoint
-file: only segments written since the previous checkpoint are linked; the ones no longer needed
-are removed after the checkpoint file is in place, so the last checkpoint stays whole. Segments
+file: only segments written since the previous checkpoint are linked (synced to the device with
+the checkpoint file: :mod:`.checkpoint`); the ones no longer needed are removed after the checkpoint file
+is in place, so the last checkpoint stays whole. Every record a checkpoint needs is read and its
+checksum checked when the checkpoint is loaded, before anything is trained.
+
+**The folder is the run's.** ``pfl-store-<id>/`` holds an owner file; a killed run's folder is
+removed by the next disk store that opens beside it (:mod:`.store_owner`). Segments
 that neither the index nor a live snapshot needs are deleted; when most of the bytes on disk are
 dead, the live records of sparse segments are rewritten into new ones (compaction).
 """
@@ -41,12 +46,14 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from .records import Record, SegmentBuffer, layout, link_or_copy, pack, read_record, unpack
+from . import store_owner
+from .records import Record, SegmentBuffer, check_segment, layout, link_or_copy, pack, read_record, unpack
 from .segments import SegmentFiles
 from .state import checkpointable
 from .store import ClientStore, StoreError, memory_part
 
-DISK_FORMAT = 2   # 1: records described by a torch.save index at each segment's end (pfl of Nov 2026)
+# 1: records described by a torch.save index at each segment's end; 2: records without checksums
+DISK_FORMAT = 3
 
 
 # ---- snapshots and checkpoint parts ----------------------------------------------------------------
@@ -98,7 +105,7 @@ def materialized(part: dict, directory: Path, extra: Any, new_state: Callable[[i
                  device: torch.device) -> tuple[Any, Any]:
     """A disk part (and the disk snapshots in ``extra``) as a memory store's parts."""
     reader = DiskStore(directory, part["num_clients"], new_state, device, read_only=True)
-    reader.adopt(part, directory)
+    reader.adopt(part, directory, find_snapshots(extra))
 
     def as_memory(snap: DiskSnapshot | None = None) -> Any:
         if snap is not None:
@@ -166,16 +173,15 @@ class DiskStore(SegmentFiles, ClientStore):
     def open(self) -> None:
         if self._opened or self.read_only:
             return
-        probe = self.root / ".probe"
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            probe.write_bytes(b"pfl")
-            probe.unlink()
+            store_owner.claim(self.root)   # also the probe that the folder is writable
         except OSError as err:
             raise StoreError(f"cannot write client states to {self.root}: {err.strerror or err} "
                              "(federation.client_store_dir, or $PFL_STORE_DIR)") from err
         self._finalizer = weakref.finalize(self, shutil.rmtree, str(self.root), True)
         self._opened = True
+        store_owner.sweep(self.root.parent, keep=self.root)
 
     def close(self) -> None:
         try:
@@ -207,7 +213,7 @@ class DiskStore(SegmentFiles, ClientStore):
         span = tuple(int(v) for v in self.spans[space][cid])
         if self._inflight is not None and self._inflight[0] == num:   # still being written
             return self._inflight[1].record(span)
-        return read_record(self.path(num), *span)
+        return read_record(self.path(num), *span, what=_what(space, cid))
 
     def _fresh(self, space: str, cid: int) -> dict:
         return self.new_state(cid) if space == self.CLIENT else {}
@@ -294,7 +300,7 @@ class DiskStore(SegmentFiles, ClientStore):
         except OSError as err:
             raise StoreError(f"cannot write the checkpoint's client states to {directory}: "
                              f"{err.strerror or err}") from err
-        for num in sorted(needed):
+        for num in sorted(needed):   # synced with the checkpoint file (checkpoint._persist)
             if not (directory / self.names[num]).exists():  # segment names are never reused
                 link_or_copy(self.path(num), directory / self.names[num])
         return {"store": "disk", "format": DISK_FORMAT, "num_clients": self.num_clients,
@@ -312,8 +318,9 @@ class DiskStore(SegmentFiles, ClientStore):
         self.index = {k: np.asarray(v, dtype=np.int32).copy() for k, v in index.items()}
         self.spans = {k: np.asarray(spans[k], dtype=np.int64).reshape(-1, 3).copy() for k in self.index}
 
-    def adopt(self, part: dict, directory: Path) -> None:
-        """Take over a checkpoint's segments (linked into this store's folder) and index."""
+    def adopt(self, part: dict, directory: Path, snapshots: Sequence[Any] = ()) -> None:
+        """Take over a checkpoint's segments (linked into this store's folder) and index, once every
+        record it or its ``snapshots`` name is found whole (:func:`check_checkpoint_records`)."""
         self._settle()
         if part.get("format") != DISK_FORMAT:
             raise StoreError(f"the client states in {directory} are in disk format {part.get('format')}, which this "
@@ -322,6 +329,7 @@ class DiskStore(SegmentFiles, ClientStore):
         if int(part["num_clients"]) != self.num_clients:
             raise StoreError(f"the client states in {directory} are for {part.get('num_clients')} clients, "
                              f"this run has {self.num_clients}")
+        check_checkpoint_records(part, directory, snapshots)
         keep = set(part["segments"].values())
         for name in self.names:  # this store's own segments the checkpoint does not have: stale now
             if name is not None and name not in keep and not self.read_only:
@@ -347,8 +355,9 @@ class DiskStore(SegmentFiles, ClientStore):
         if not is_disk_part(part):
             self.replace(*memory_part(part))
             return
-        self.adopt(part, directory)
-        for snap in find_snapshots(extra):  # the λ path's finalists: their segments stay
+        snapshots = find_snapshots(extra)
+        self.adopt(part, directory, snapshots)
+        for snap in snapshots:  # the λ path's finalists: their segments stay
             self._snapshots.add(snap)
 
     # ---- the whole population (inspection, tests, conversion) --------------------------------------
@@ -382,5 +391,30 @@ class DiskStore(SegmentFiles, ClientStore):
         return sum(s for s, n in zip(self.sizes, self.names) if n is not None)
 
 
-__all__ = ["DISK_FORMAT", "DiskSnapshot", "DiskStore", "find_snapshots", "is_disk_part", "materialized",
-           "segment_names"]
+def _what(space: str, cid: int) -> str:
+    return f"client {cid}'s state" if space == ClientStore.CLIENT else f"client {cid}'s {space} memory"
+
+
+def check_checkpoint_records(part: dict, directory: Path, snapshots: Sequence[Any] = ()) -> None:
+    """Every record the checkpoint's index (and ``snapshots``) names, read from ``directory`` and
+    checked against its checksum, each segment file read once; raises
+    :class:`~pfl.federation.store.DamagedFileError` naming the file and the client."""
+    wanted: dict[int, dict[tuple[int, int, int], str]] = {}
+    views = [(part["index"], part["spans"])] + [(s.index, s.spans) for s in snapshots if isinstance(s, DiskSnapshot)]
+    for index, spans in views:
+        for space, arr in index.items():
+            arr = np.asarray(arr)
+            rows = np.asarray(spans[space], dtype=np.int64).reshape(-1, 3)
+            for cid in np.flatnonzero(arr >= 0).tolist():
+                span = tuple(int(v) for v in rows[cid])
+                wanted.setdefault(int(arr[cid]), {}).setdefault(span, _what(space, cid))
+    names = {int(k): v for k, v in part["segments"].items()}
+    for num in sorted(wanted):
+        if num not in names:
+            raise StoreError(f"the checkpoint's index names segment {num}, which its client part does not list "
+                             f"(a damaged checkpoint in {directory})")
+        check_segment(directory / names[num], wanted[num])
+
+
+__all__ = ["DISK_FORMAT", "DiskSnapshot", "DiskStore", "check_checkpoint_records", "find_snapshots", "is_disk_part",
+           "materialized", "segment_names"]

@@ -89,8 +89,8 @@ class RoundLoop:
     def callback_states(self) -> dict[str, Any]:
         return {cb.key: cb.state_dict() for cb in self.callbacks if cb.key}
 
-    def save(self, path: str | Path) -> Path:
-        return save_checkpoint(self.sim, path, extra={"callbacks": self.callback_states()})
+    def save(self, path: str | Path, background: bool = False) -> Path:
+        return save_checkpoint(self.sim, path, extra={"callbacks": self.callback_states()}, background=background)
 
     def load(self, path: str | Path) -> None:
         extra = load_checkpoint(self.sim, path)

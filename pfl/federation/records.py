@@ -17,8 +17,12 @@ records, again for each segment a sampled client's record sat in once more than 
 100,000-client Ditto run slowed from 0.16 to 0.82 s a round between rounds 50 and 500.)
 
 **Segments.** ``seg-<store>-<n>.pfls``: records one after another, each starting at a 64-byte
-boundary as ``PFR2``, the header's length (uint32, little-endian), the header, padding to the next
-boundary, the blob. Where a record sits is its *span* — (offset, header length, blob length) —
+boundary as ``PFR3``, the header's length and the CRC-32 of header and blob (two uint32,
+little-endian), the header, padding to the next boundary, the blob. The checksum is checked on
+every read and, for a checkpoint's segments, for every record when the checkpoint is loaded
+(:func:`check_segment`): a flipped bit is an error naming the file and the client, never a state
+trained on. (CRC-32 from zlib: 6.7 GB/s here, against 1.4 GB/s for BLAKE2b; it is meant to catch
+damage, not tampering — records are plain data anyway.) Where a record sits is its *span* — (offset, header length, blob length) —
 which the store keeps in memory, so reading a record is one ``preadv`` into two buffers (header and
 blob) with no index to parse. A segment is built in memory (:class:`SegmentBuffer`: saved states
 are packed straight into it, in their on-disk layout, so a save allocates nothing and a flush is
@@ -32,6 +36,7 @@ import os
 import pickle
 import shutil
 import struct
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,12 +45,12 @@ import numpy as np
 import torch
 
 from .state import PLAIN, decode, encode
-from .store import StoreError
+from .store import DamagedFileError, StoreError
 
 ALIGN = 64
 SUFFIX = ".pfls"
-RECORD_MAGIC = b"PFR2"
-_PREFIX = struct.Struct("<4sI")   # magic, header length
+RECORD_MAGIC = b"PFR3"            # PFR2 (disk format 2) had no checksum
+_PREFIX = struct.Struct("<4sII")  # magic, header length, CRC-32 of header and blob
 _SLOT = "__pfl_slot__"
 #: the only globals a header may name (complex numbers pickle through their constructor)
 _ALLOWED_GLOBALS = {("builtins", "complex")}
@@ -215,9 +220,10 @@ class SegmentBuffer:
         head = aligned(_PREFIX.size + len(header))
         self._reserve(head + aligned(blob_len))
         with memoryview(self.buf) as view:
-            _PREFIX.pack_into(view, start, RECORD_MAGIC, len(header))
+            blob = view[start + head:start + head + blob_len]
+            fill(blob)
+            _PREFIX.pack_into(view, start, RECORD_MAGIC, len(header), checksum(header, blob))
             view[start + _PREFIX.size:start + _PREFIX.size + len(header)] = header
-            fill(view[start + head:start + head + blob_len])
         self.used = start + head + aligned(blob_len)
         self.records += 1
         return start, len(header), blob_len
@@ -244,7 +250,9 @@ class SegmentBuffer:
         self.records = 0
 
     def write(self, path: Path) -> None:
-        """The buffer as segment ``path`` (written to a temporary name, then renamed)."""
+        """The buffer as segment ``path`` (written to a temporary name, then renamed). Not synced to
+        the device here: a segment no checkpoint names is scratch, gone with its run; a checkpoint
+        syncs the segments it links (:func:`pfl.federation.durable.sync_file`)."""
         tmp = path.with_name(path.name + ".tmp")
         try:
             with open(tmp, "wb") as fh, memoryview(self.buf) as view:
@@ -255,8 +263,25 @@ class SegmentBuffer:
             raise StoreError(f"cannot write client states to {path.parent}: {err.strerror or err}") from err
 
 
-def read_record(path: Path, offset: int, header_len: int, blob_len: int) -> Record:
-    """The record at ``offset`` of segment ``path`` (its span as :func:`write_segment` returned it)."""
+def checksum(header: bytes | memoryview, blob: bytes | memoryview) -> int:
+    """CRC-32 of a record's header and blob (padding excluded)."""
+    return zlib.crc32(blob, zlib.crc32(header))
+
+
+def _record_problem(prefix: bytes | memoryview, header: bytes | memoryview, blob: bytes | memoryview,
+                    header_len: int) -> str | None:
+    """What is wrong with a record read back (None: nothing)."""
+    magic, length, crc = _PREFIX.unpack_from(prefix)
+    if magic != RECORD_MAGIC or length != header_len:
+        return "holds no pfl client-state record there (a damaged or foreign file)"
+    if checksum(header, blob) != crc:
+        return "is damaged: its checksum does not match its bytes"
+    return None
+
+
+def read_record(path: Path, offset: int, header_len: int, blob_len: int, what: str = "a record") -> Record:
+    """The record at ``offset`` of segment ``path`` (its span), its checksum checked; ``what``
+    names it in an error (e.g. "client 17's state")."""
     head = bytearray(aligned(_PREFIX.size + header_len))
     blob = bytearray(blob_len)
     try:
@@ -274,10 +299,35 @@ def read_record(path: Path, offset: int, header_len: int, blob_len: int) -> Reco
             os.close(fd)
     except OSError as err:
         raise StoreError(f"cannot read client states from {path}: {err.strerror or err}") from err
-    magic, length = _PREFIX.unpack_from(head)
-    if got != len(head) + blob_len or magic != RECORD_MAGIC or length != header_len:
-        raise StoreError(f"{path} holds no pfl client-state record at byte {offset} (a damaged or foreign file)")
-    return Record(bytes(head[_PREFIX.size:_PREFIX.size + header_len]), blob)
+    if got != len(head) + blob_len:
+        raise DamagedFileError(f"{path} is truncated: {what} at byte {offset} needs {len(head) + blob_len} bytes, "
+                               f"the file has {got} from there")
+    header = bytes(head[_PREFIX.size:_PREFIX.size + header_len])
+    problem = _record_problem(head, header, blob, header_len)
+    if problem:
+        raise DamagedFileError(f"{path}: {what} (the record at byte {offset}) {problem}")
+    return Record(header, blob)
+
+
+def check_segment(path: Path, spans: dict[tuple[int, int, int], str]) -> None:
+    """Every record of segment ``path`` at ``spans`` (span → what it is, for the error) whole and
+    matching its checksum; the file read once."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise DamagedFileError(f"{path} is missing (the checkpoint's client states are incomplete)") from None
+    except OSError as err:
+        raise StoreError(f"cannot read client states from {path}: {err.strerror or err}") from err
+    end = max(off + aligned(_PREFIX.size + hl) + bl for off, hl, bl in spans)
+    if len(data) < end:
+        raise DamagedFileError(f"{path} is truncated: {len(data):,} bytes, its records reach byte {end:,}")
+    with memoryview(data) as view:
+        for (off, hl, bl), what in spans.items():
+            start = off + aligned(_PREFIX.size + hl)
+            problem = _record_problem(view[off:off + _PREFIX.size], view[off + _PREFIX.size:off + _PREFIX.size + hl],
+                                      view[start:start + bl], hl)
+            if problem:
+                raise DamagedFileError(f"{path}: {what} (the record at byte {off}) {problem}")
 
 
 def link_or_copy(src: Path, dst: Path) -> None:
@@ -307,5 +357,5 @@ def prune_checkpoint_dir(directory: Path, keep: set[str]) -> None:
         directory.rmdir()
 
 
-__all__ = ["ALIGN", "Layout", "RECORD_MAGIC", "Record", "SUFFIX", "SegmentBuffer", "layout", "link_or_copy", "pack",
-           "prune_checkpoint_dir", "read_header", "read_record", "unpack"]
+__all__ = ["ALIGN", "Layout", "RECORD_MAGIC", "Record", "SUFFIX", "SegmentBuffer", "check_segment", "checksum", "layout",
+           "link_or_copy", "pack", "prune_checkpoint_dir", "read_header", "read_record", "unpack"]

@@ -45,6 +45,11 @@ class StoreError(RuntimeError):
     """Client states cannot be written (the message names the path and the reason)."""
 
 
+class DamagedFileError(StoreError):
+    """A checkpoint or segment file is empty, truncated, or does not match its checksum (the message
+    names the file, and the client for a record): nothing may be trained on it."""
+
+
 class ClientMemory:
     """One server-side per-client memory of a store (:meth:`ClientStore.memory`).
 
@@ -325,5 +330,5 @@ def plan_store(fed, num_clients: int, members: int, state_bytes: int, data_bytes
     return StorePlan("disk", budget, budget - k * float(state_bytes) - flush, flush, k, round_bytes)
 
 
-__all__ = ["ClientMemory", "ClientStore", "GiB", "LocalMemory", "MemoryStore", "StoreError", "StorePlan", "choose_state_device",
+__all__ = ["ClientMemory", "ClientStore", "DamagedFileError", "GiB", "LocalMemory", "MemoryStore", "StoreError", "StorePlan", "choose_state_device",
            "default_budget", "memory_part", "memory_store", "plan_store", "release_heap", "state_estimate"]
