@@ -222,7 +222,7 @@ def test_client_metrics_name_each_natural_client_by_its_own_id(arrays, tmp_path)
     ("no_label", "data.params.label_column", ["no column 'label'", "columns found: target, client, f0"]),
     ("float_labels", "data.params.label_column", ["row 1", "1.5", "integers"]),
     ("text_labels", "data.params.label_column", ["string", "class ids"]),
-    ("nan", "data.params.path", ["row 3", "'f1'", "nan"]),
+    ("nan", "data.params.path", ["row 3", "'f1'", "NaN (not a number)"]),
     ("inf_list", "data.params.path", ["row 2", "x[0]", "inf"]),
     ("ragged_list", "data.params.path", ["row 4", "ragged"]),
     ("ragged_csv", "data.params.path", ["ragged", "CSV"]),

@@ -7,8 +7,8 @@ Entry points::
     list_sources(), source_spec(name)               # the registry behind `pfl datasets`
 
 Modules: :mod:`.sources` (registry and params), :mod:`.images` and :mod:`.idx` (file formats),
-:mod:`.synthetic` (FPFC generators), :mod:`.crowd` (a large population generated on demand), :mod:`.files` with :mod:`.readers` and :mod:`.tables`
-(a user's own files), :mod:`.hf` (Hugging Face data sets), :mod:`.partition` (partitioners, stratified splits),
+:mod:`.synthetic` (FPFC generators), :mod:`.crowd` (a large population generated on demand), :mod:`.files` with
+:mod:`.readers`, :mod:`.leaf` and :mod:`.tables` (a user's own files), :mod:`.hf` (Hugging Face data sets), :mod:`.partition` (partitioners, stratified splits),
 :mod:`.transforms` (label swap, rotation), :mod:`.cache` (Parquet cache), :mod:`.federated`
 (the containers and entry points).
 """

@@ -169,6 +169,8 @@ def resolve_data_config(cfg: DataConfig) -> None:
                           f"{part.kind!r} splits a sample pool, but {cfg.source} generates each client's data "
                           f"itself; allowed kinds for {cfg.source}: {_allowed_kinds(True)}")
     if not has_clients and part.kind == "natural":
+        if spec.explain_no_clients is not None:
+            spec.explain_no_clients(params)
         if spec.has_clients is not None:
             raise ConfigError("data.partition.kind",
                               f"'natural' needs client ids, and the data has none (data.params.client_column names "
@@ -346,6 +348,19 @@ class OnDemandClients(Sequence[ClientData]):
         return n * (4 * int(np.prod(self.src.input_shape)) + label)
 
 
+_SAID: set[str] = set()
+
+
+def _say_once(note: str) -> None:
+    """Print a note about the data once per process: a pipeline loads the same data for every run,
+    and the person needs to hear it once, on stdout with the CLI's own notes (stderr is kept for
+    the one line of an error)."""
+    log.info(note)
+    if note not in _SAID:
+        _SAID.add(note)
+        print(f"note: {note}", flush=True)
+
+
 def load_federated(cfg: DataConfig, seed: int, device: str | torch.device = "cpu",
                    on_demand: bool = False) -> FederatedData:
     """The federation described by ``cfg`` under experiment ``seed``, with tensors on ``device``
@@ -372,6 +387,9 @@ def load_federated(cfg: DataConfig, seed: int, device: str | torch.device = "cpu
         except OSError as err:  # a read-only cache directory must not stop the run
             log.warning("could not write partition cache %s: %s", path, err)
     natural = cfg.partition.kind == "natural"
+    if natural:
+        for note in src.notes:
+            _say_once(note)
     data = FederatedData(clients=clients, num_classes=src.num_classes, input_shape=tuple(src.input_shape),
                          task=src.task, source=cfg.source, true_clusters=part.clusters, partition_hash=key,
                          partition_kind=cfg.partition.kind, client_ids=src.client_ids if natural else None)

@@ -17,7 +17,11 @@ Choices (docs/your-data.md):
   takes the first ``data.num_clients`` clients in sorted id order (numbers numerically), dropping
   clients below ``min_client_samples`` first;
 * LEAF's own train/test split is kept for natural partitions: a client's test set is its LEAF
-  test samples, validation is ``val_fraction`` of its LEAF training samples;
+  test samples, validation is ``val_fraction`` of its LEAF training samples; ``min_client_samples``
+  then counts training samples, the ones its splits divide;
+* a natural partition leaves out clients without samples and, where the data keeps its own split,
+  clients with samples on one side only, saying how many and why once (``drop_incomplete_clients:
+  false`` refuses them by name instead): real LEAF dumps hold such writers;
 * uint8 features (images) are divided by 255, everything else is used as stored (``scale``);
 * the partition cache key includes a sha256 of exactly what a partition is made from (labels,
   client, cluster and split ids), so an edited file never gets a stale partition, while features,
@@ -37,9 +41,10 @@ import numpy as np
 
 from ..schema import ConfigError, hp
 from ..paths import absolute_path, shipped_path
-from .readers import Table, read_client_folder, read_csv, read_leaf, read_npz, read_parquet
+from .leaf import read_leaf
+from .readers import Table, read_client_folder, read_csv, read_npz, read_parquet
 from .sources import CLASSIFICATION, REGRESSION, SourceData, SourceSpec, register_source
-from .tables import PATH_KEY, group_ids, labels_of, rows_by_group
+from .tables import PATH_KEY, group_ids, labels_of, row_at, rows_by_group
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +70,12 @@ class FilesParams:
                                              "null = as stored")
     scale: float | None = hp(None, "divide every feature by this; null = 255 for uint8 features (images), "
                                    "else 1", low=0.0, low_open=True)
-    min_client_samples: int = hp(0, "natural partitions: leave out clients with fewer samples (0 = keep every "
-                                    "client; one too small for its splits is an error)", low=0)
+    min_client_samples: int = hp(0, "natural partitions: leave out clients with fewer samples (training samples "
+                                    "where the data keeps its own test split; 0 = keep every client; one too small "
+                                    "for its splits is an error)", low=0)
+    drop_incomplete_clients: bool = hp(True, "natural partitions: leave out clients without samples, or with samples "
+                                             "only in train/ or only in test/ (LEAF), and say how many; false = "
+                                             "refuse them by name")
 
     def make_paths_absolute(self) -> None:
         self.path = absolute_path(self.path)
@@ -112,13 +121,52 @@ class Inspected:
     task: str
     num_classes: int
     input_shape: tuple[int, ...]
-    ids: list | None                 # client ids, sorted (None: no client column)
+    ids: list | None                 # client ids, sorted (None: no client column); never a client without rows
     rows: list[np.ndarray] | None    # rows of each client, in file order
     clusters: np.ndarray | None      # true cluster of each client (None: none given)
     fingerprint: str
+    n_test: np.ndarray | None = None  # each client's rows in the data's own test split (None: no such split)
 
-    def kept(self, min_samples: int) -> list[int]:
-        return [k for k, r in enumerate(self.rows or []) if len(r) >= min_samples]
+    def n_train(self) -> np.ndarray:
+        """Each client's samples that its train/val splits divide (all of them without a test split)."""
+        n = np.array([len(r) for r in self.rows or []], dtype=np.int64)
+        return n if self.n_test is None else n - self.n_test
+
+    def one_sided(self) -> tuple[np.ndarray, np.ndarray]:
+        """(clients with samples in the test split only, in the training split only)."""
+        if self.n_test is None:
+            none = np.zeros(len(self.ids or []), dtype=bool)
+            return none, none
+        return self.n_train() == 0, self.n_test == 0
+
+    def kept(self, min_samples: int, drop_incomplete: bool = True) -> list[int]:
+        keep = self.n_train() >= min_samples
+        if drop_incomplete:
+            test_only, train_only = self.one_sided()
+            keep &= ~(test_only | train_only)
+        return np.flatnonzero(keep).tolist()
+
+    def left_out(self, p) -> tuple[int, int, str]:
+        """(clients a natural partition leaves out, clients in the data, why: counts by reason)."""
+        test_only, train_only = self.one_sided()
+        small = (self.n_train() < p.min_client_samples) & ~(test_only | train_only)
+        counts = [(len(self.table.empty_clients), "with no samples"),
+                  (int(test_only.sum()), "with samples in test/ only"),
+                  (int(train_only.sum()), "with samples in train/ only"),
+                  (int(small.sum()), f"with fewer than {p.min_client_samples} "
+                                     f"{'training ' if self.n_test is not None else ''}samples "
+                                     "(data.params.min_client_samples)")]
+        total = len(self.ids or []) + len(self.table.empty_clients)
+        return sum(k for k, _ in counts), total, ", ".join(f"{k:,} {what}" for k, what in counts if k)
+
+    def note(self, p) -> str | None:
+        """The one line a natural partition says about the clients it leaves out (None: none)."""
+        dropped, total, why = self.left_out(p)
+        if not dropped:
+            return None
+        incomplete = len(self.table.empty_clients) + int(sum(m.sum() for m in self.one_sided()))
+        refuse = "; data.params.drop_incomplete_clients: false refuses such clients instead" if incomplete else ""
+        return f"{dropped:,} of {total:,} clients of {self.table.where} left out: {why}{refuse}"
 
 
 _CACHE: OrderedDict = OrderedDict()
@@ -182,10 +230,13 @@ def inspect_table(table: Table, p) -> Inspected:
             digest.update(clusters.tobytes())
     elif table.clusters is not None:
         log.info("%s: cluster ids without client ids are not used (a cluster is a group of clients)", where)
+    n_test = None
     if table.test is not None:
         digest.update(table.test.tobytes())
+        if index is not None:
+            n_test = np.bincount(index, weights=table.test, minlength=len(ids)).astype(np.int64)
     digest.update(repr((len(y), shape, task)).encode())
-    return Inspected(table, y, task, num_classes, shape, ids, rows, clusters, digest.hexdigest())
+    return Inspected(table, y, task, num_classes, shape, ids, rows, clusters, digest.hexdigest(), n_test)
 
 
 def _client_clusters(table: Table, index: np.ndarray, ids: list, p: FilesParams, where: str) -> np.ndarray:
@@ -202,8 +253,8 @@ def _client_clusters(table: Table, index: np.ndarray, ids: list, p: FilesParams,
     bad = np.flatnonzero(first[index] != cid)
     if bad.size:
         row = int(bad[0])
-        raise ConfigError(key, f"{where}: client {ids[index[row]]!r} has rows in two clusters (row {row}); "
-                               "a true cluster groups whole clients")
+        raise ConfigError(key, f"{where}: client {ids[index[row]]!r} has rows in two clusters "
+                               f"({row_at(where, row)}); a true cluster groups whole clients")
     return first
 
 
@@ -234,23 +285,54 @@ def check_inspected(info: Inspected, p, cfg) -> None:
     if cfg.max_samples is not None:
         raise ConfigError("data.max_samples", "a natural partition keeps every sample of its clients; set "
                                               "data.max_samples: null and choose fewer clients with data.num_clients")
+    refuse_incomplete(info, p)
     kept = info.kept(p.min_client_samples)
     if cfg.num_clients > len(kept):
-        dropped = f" ({len(info.ids) - len(kept)} below data.params.min_client_samples left out)" \
-            if len(kept) < len(info.ids) else ""
-        raise ConfigError("data.num_clients", f"{info.table.where} has {len(kept)} clients{dropped}; allowed range "
+        dropped, _, why = info.left_out(p)
+        left = f" ({dropped:,} left out: {why})" if dropped else ""
+        raise ConfigError("data.num_clients", f"{info.table.where} has {len(kept)} clients{left}; allowed range "
                                               f"[1, {len(kept)}]")
-    fixed = info.table.test is not None
+    fixed = info.n_test is not None
     need, what = _need(cfg, fixed)
+    n_train = info.n_train()
     for k in kept[:cfg.num_clients]:
-        rows = info.rows[k]
-        n = int((~info.table.test[rows]).sum()) if fixed else len(rows)
-        if fixed and not info.table.test[rows].any():
-            raise ConfigError(PATH_KEY, f"client {info.ids[k]!r} has no LEAF test sample; set "
-                                        "data.params.min_client_samples or remove the client")
-        if n < need:
-            raise ConfigError(PATH_KEY, f"client {info.ids[k]!r} has {n} samples, fewer than the {need} {what}; "
-                                        f"set data.params.min_client_samples: {need} to leave such clients out")
+        if n_train[k] < need:
+            # with the data's own test split min_client_samples counts training samples, so the hint works
+            raise ConfigError(PATH_KEY, f"client {info.ids[k]!r} has {n_train[k]} {'training ' if fixed else ''}"
+                                        f"samples, fewer than the {need} {what}; set "
+                                        f"data.params.min_client_samples: {need} to leave such clients out")
+
+
+def refuse_incomplete(info: Inspected, p) -> None:
+    """With ``drop_incomplete_clients: false``, one line naming the clients without samples or with
+    samples on one side only, and the files that hold them."""
+    if getattr(p, "drop_incomplete_clients", True):
+        return
+    test_only, train_only = info.one_sided()
+    bad = [(c, "has no samples") for c in info.table.empty_clients]
+    bad += [(info.ids[k], "has samples in test/ only") for k in np.flatnonzero(test_only)]
+    bad += [(info.ids[k], "has samples in train/ only") for k in np.flatnonzero(train_only)]
+    if not bad:
+        return
+    files = info.table.client_files or {}
+
+    def named(client, why: str) -> str:
+        held = files.get(str(client))
+        return f"{client!r} {why}" + (f" ({', '.join(held)})" if held else "")
+
+    shown = "; ".join(named(*b) for b in bad[:5]) + (f"; and {len(bad) - 5:,} more" if len(bad) > 5 else "")
+    total = len(info.ids or []) + len(info.table.empty_clients)
+    raise ConfigError("data.params.drop_incomplete_clients",
+                      f"{len(bad):,} of {total:,} clients of {info.table.where} cannot be used: {shown}; set "
+                      "data.params.drop_incomplete_clients: true to leave them out")
+
+
+def explain_missing_clients(info: Inspected) -> None:
+    """Raise the error naming the columns that look like client ids, if any does (a natural
+    partition asked of data without its client column)."""
+    hint = info.table.client_hint() if info.table.client_hint is not None else None
+    if hint is not None:
+        raise hint
 
 
 def _featurize(x: np.ndarray, scale: float, shape: tuple[int, ...]) -> np.ndarray:
@@ -271,7 +353,7 @@ def source_data(info: Inspected, p, num_clients: int) -> SourceData:
     featurize = functools.partial(_featurize, scale=float(scale), shape=info.input_shape)
     devices = clusters = client_ids = None
     if info.rows is not None:
-        chosen = info.kept(p.min_client_samples)[:num_clients]
+        chosen = info.kept(p.min_client_samples, getattr(p, "drop_incomplete_clients", True))[:num_clients]
         devices = [info.rows[k] for k in chosen]
         client_ids = [str(info.ids[k]) for k in chosen]
         clusters = None if info.clusters is None else info.clusters[chosen]
@@ -279,7 +361,8 @@ def source_data(info: Inspected, p, num_clients: int) -> SourceData:
     return SourceData(x=None, y=info.y, input_shape=info.input_shape, num_classes=info.num_classes, task=info.task,
                       featurize=featurize, image_shape=image, devices=devices, clusters=clusters,
                       read_rows=functools.partial(table.read_rows, featurize=featurize), client_ids=client_ids,
-                      test_rows=table.test, fingerprint=info.fingerprint)
+                      test_rows=table.test, fingerprint=info.fingerprint,
+                      notes=() if info.rows is None else tuple(filter(None, [info.note(p)])))
 
 
 def default_kind(info: Inspected) -> str:
@@ -293,8 +376,8 @@ register_source(SourceSpec(
     FilesParams, "mlp", CLASSIFICATION, per_client=False, image=False,
     shape_fn=lambda p: (inspect(p).input_shape, inspect(p).num_classes), load_fn=load, check_fn=inspect,
     default_kind=lambda p: default_kind(inspect(p)), has_clients=lambda p: inspect(p).ids is not None,
-    check_config=check_config))
+    check_config=check_config, explain_no_clients=lambda p: explain_missing_clients(inspect(p))))
 
 
-__all__ = ["FilesParams", "Inspected", "check_config", "check_inspected", "default_kind", "detect", "inspect",
-           "inspect_table", "load", "source_data"]
+__all__ = ["FilesParams", "Inspected", "check_config", "check_inspected", "default_kind", "detect",
+           "explain_missing_clients", "inspect", "inspect_table", "load", "refuse_incomplete", "source_data"]

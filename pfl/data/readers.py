@@ -5,25 +5,30 @@
 * Parquet and CSV: a label column, features (see :mod:`.tables`), optional client and cluster
   columns. Parquet is read column-projected: the label/client/cluster columns first (which is all
   a partition needs), the features later, row group by row group (:meth:`Table.read_rows`);
-* a folder of per-client ``<client id>.npz`` / ``.parquet`` files (the file is the client);
-* LEAF's JSON (``{"users": [...], "user_data": {user: {"x": [...], "y": [...]}}}``): one file, a
-  folder of them, or LEAF's ``train/`` and ``test/`` folders, whose split is kept (``Table.test``).
+* a folder of per-client ``<client id>.npz`` / ``.parquet`` files (the file is the client; an
+  empty file is a client without samples, ``Table.empty_clients``);
+* LEAF's JSON: :mod:`.leaf`.
+
+When the client column is not there, the readers can say which columns look like client ids
+(``Table.client_hint``), and say it instead of an error that would blame a feature column.
 """
 
 from __future__ import annotations
 
-import json
+import functools
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ..schema import ConfigError
-from .tables import PATH_KEY, FeaturePlan, check_finite, features_of, plan_features, require_column, sorted_ids
+from .tables import (PATH_KEY, FeaturePlan, Where, candidate_columns, check_finite, features_of,
+                     missing_client_column, plan_features, require_column, row_at, sorted_ids)
 
 #: rows per chunk when features are read lazily (a few tens of MB of features per chunk)
 CHUNK_ROWS = 65536
@@ -46,6 +51,10 @@ class Table:
     cluster_per_client: bool = False   # clusters holds one id per client id (sorted), not per row
     client_names: list[str] | None = None  # folders, LEAF: the id of client i (clients holds 0..K-1)
     dtype: np.dtype = np.dtype(np.float32)  # the stored features' type (uint8 for images)
+    empty_clients: list[str] = field(default_factory=list)  # folders, LEAF: clients without any sample
+    client_files: dict[str, list[str]] | None = None  # folders, LEAF: the files that name each client
+    # without a client column: the error naming the columns that look like client ids (None: none do)
+    client_hint: Callable[[], ConfigError | None] | None = None
 
     def iter_features(self, need: Callable[[int, int], bool] | None = None) -> Iterator[tuple[int, np.ndarray]]:
         """(first row, features) chunk by chunk; with ``need``, chunks it declines may be skipped."""
@@ -129,7 +138,8 @@ def read_npz(path: Path, params, with_features: bool = True) -> Table:
             raise ConfigError(PATH_KEY, f"{where}: {str(err).splitlines()[0]}") from None
     shape, dtype = (x.shape, x.dtype) if x is not None else _npz_shape(path, "x")
     if y.ndim != 1 or shape[0] != len(y):
-        raise ConfigError(PATH_KEY, f"{where}: x has {shape[0]} rows and y shape {y.shape}; y needs one value per row")
+        raise ConfigError(PATH_KEY, f"{where}: x has {shape[0]} rows and y shape {y.shape}; y needs one value per "
+                                    "row")
     if clients is not None and clients.shape != y.shape:
         raise ConfigError("data.params.client_column", f"{where}: {params.client_column!r} has shape "
                                                        f"{clients.shape}; it needs one client id per row")
@@ -141,19 +151,49 @@ def read_npz(path: Path, params, with_features: bool = True) -> Table:
     if clusters is not None and clusters.ndim == 0:  # one cluster for the whole file (a client's file)
         clusters = np.full(len(y), clusters.item())
     per_client = clusters is not None and clients is not None and len(clusters) != len(y)
+    hint = None if clients is not None else functools.partial(_npz_client_hint, path, params, len(y))
     return Table(where, len(y), pa.array(y), None if clients is None else pa.array(clients),
                  None if clusters is None else pa.array(clusters),
                  FeaturePlan("list", ("x",), tuple(shape[1:])), tuple(shape[1:]), x=x,
-                 cluster_per_client=per_client, dtype=np.dtype(dtype))
+                 cluster_per_client=per_client, dtype=np.dtype(dtype), client_hint=hint)
+
+
+def _npz_client_hint(path: Path, params, n: int) -> ConfigError | None:
+    columns = {}
+    with np.load(path, allow_pickle=False) as npz:
+        for name in npz.files:
+            shape, dtype = _npz_shape(path, name)
+            if name not in ("x", "y", params.cluster_column) and shape == (n,) and dtype.kind in "iuU":
+                columns[name] = pa.array(npz[name])
+    return missing_client_column(columns, n, params.client_column, str(path))
 
 
 # ---- Parquet and CSV ----------------------------------------------------------------------------
 
-def _table_parts(schema: pa.Schema, params, where: str) -> tuple[FeaturePlan, list[str]]:
+def _table_parts(schema: pa.Schema, params, where: str, hint: Callable[[], ConfigError | None]) -> FeaturePlan:
     require_column(schema, params.label_column, "data.params.label_column", where)
-    plan = plan_features(schema, params.feature_columns, _reserved(params), where)
-    meta = [c for c in (params.label_column, params.client_column, params.cluster_column) if c in schema.names]
-    return plan, meta
+    try:
+        return plan_features(schema, params.feature_columns, _reserved(params), where)
+    except ConfigError:
+        # client ids under another name become a text "feature" that cannot be one: say so
+        if params.feature_columns is None and params.client_column not in schema.names:
+            better = hint()
+            if better is not None:
+                raise better from None
+        raise
+
+
+def _client_hint(schema: pa.Schema, params, where: str, read: Callable[[list[str]], pa.Table]):
+    """``Table.client_hint`` of a table whose client column is missing (``read`` reads columns)."""
+    if params.client_column in schema.names:
+        return None
+
+    def hint() -> ConfigError | None:
+        names = candidate_columns(schema, _reserved(params))
+        table = read(names)
+        return missing_client_column({n: table.column(n) for n in names}, table.num_rows, params.client_column,
+                                     where)
+    return hint
 
 
 def _first_shape(sample: np.ndarray) -> tuple[int, ...]:
@@ -162,7 +202,8 @@ def _first_shape(sample: np.ndarray) -> tuple[int, ...]:
 
 def table_from_arrow(table: pa.Table, params, where: str, with_x: bool = True) -> Table:
     """A :class:`Table` of an in-memory Arrow table (CSV, a Hugging Face data set)."""
-    plan, _ = _table_parts(table.schema, params, where)
+    hint = _client_hint(table.schema, params, where, table.select)
+    plan = _table_parts(table.schema, params, where, hint)
     n = table.num_rows
     first = features_of(table.slice(0, min(n, 1)), plan, 0, where)
     shape = _first_shape(first)
@@ -174,7 +215,8 @@ def table_from_arrow(table: pa.Table, params, where: str, with_x: bool = True) -
                 yield start, features_of(table.slice(start, CHUNK_ROWS), plan, start, where, shape)
 
     return Table(where, n, col(params.label_column), col(params.client_column), col(params.cluster_column),
-                 FeaturePlan(plan.kind, plan.columns, shape), shape, chunks=chunks, dtype=first.dtype)
+                 FeaturePlan(plan.kind, plan.columns, shape), shape, chunks=chunks, dtype=first.dtype,
+                 client_hint=hint)
 
 
 def read_parquet(path: Path, params) -> Table:
@@ -184,11 +226,15 @@ def read_parquet(path: Path, params) -> Table:
     except (OSError, pa.ArrowException) as err:
         raise ConfigError(PATH_KEY, f"{where} is not a readable Parquet file ({str(err).splitlines()[0]})") from None
     schema = pf.schema_arrow
-    plan, meta = _table_parts(schema, params, where)
+    hint = _client_hint(schema, params, where, lambda names: pq.read_table(path, columns=names))
+    plan = _table_parts(schema, params, where, hint)
+    meta = [c for c in (params.label_column, params.client_column, params.cluster_column) if c in schema.names]
     small = pf.read(columns=meta)  # labels, client and cluster ids: all a partition needs
     n = small.num_rows
-    first = features_of(next(pf.iter_batches(batch_size=1, columns=list(plan.columns))), plan, 0, where) \
-        if n else np.zeros((0, 1), dtype=np.float32)
+    if n:
+        first = features_of(next(pf.iter_batches(batch_size=1, columns=list(plan.columns))), plan, 0, where)
+    else:  # no row to look at: number columns still say the shape, other kinds are unknown
+        first = np.zeros((0,) + (plan.sample_shape or (1,)), dtype=np.float32)
     shape = _first_shape(first)
     groups = [pf.metadata.row_group(i).num_rows for i in range(pf.num_row_groups)]
 
@@ -215,122 +261,99 @@ def read_parquet(path: Path, params) -> Table:
 
     col = lambda name: small.column(name).combine_chunks() if name in small.column_names else None  # noqa: E731
     return Table(where, n, col(params.label_column), col(params.client_column), col(params.cluster_column),
-                 FeaturePlan(plan.kind, plan.columns, shape), shape, chunks=chunks, dtype=first.dtype)
+                 FeaturePlan(plan.kind, plan.columns, shape), shape, chunks=chunks, dtype=first.dtype,
+                 client_hint=hint)
+
+
+#: a cell that is a number as a CSV writer spells one (NaN and infinities included)
+_NUMBER = r"^\s*[-+]?(\d+\.?\d*([eE][-+]?\d+)?|\.\d+([eE][-+]?\d+)?|nan|inf|infinity)\s*$"
 
 
 def read_csv(path: Path, params) -> Table:
     import pyarrow.csv as pcsv
 
+    # only an empty cell is missing: Arrow's default also reads 'NaN' and 'NA' as missing, which
+    # would report a NaN as an empty cell
+    options = pcsv.ConvertOptions(null_values=[""])
     try:
-        table = pcsv.read_csv(path)
+        table = pcsv.read_csv(path, convert_options=options)
     except (OSError, pa.ArrowException) as err:
         text = str(err).splitlines()[0]
         hint = " (ragged rows: every line needs the same number of fields)" if "columns" in text else ""
         raise ConfigError(PATH_KEY, f"{path}: not a readable CSV file: {text}{hint}") from None
-    return table_from_arrow(table, params, str(path))
+    where = Where.of(str(path), first_line=2)  # row 0 is the line after the header
+    _refuse_text_in_numbers(table, params, where)
+    return table_from_arrow(table, params, where)
+
+
+def _refuse_text_in_numbers(table: pa.Table, params, where: Where) -> None:
+    """A number column with a few cells of text ('NA', '?', ' ') is read as a text column; name the
+    first such cell rather than call the whole column text."""
+    names = list(params.feature_columns) if params.feature_columns is not None else \
+        [n for n in table.column_names if n not in (params.client_column, params.cluster_column)]
+    for name in dict.fromkeys(names + [params.label_column]):
+        if name not in table.column_names or not pa.types.is_string(table.schema.field(name).type):
+            continue
+        col = table.column(name).combine_chunks()
+        numeric = pc.match_substring_regex(col, _NUMBER, ignore_case=True).to_numpy(zero_copy_only=False)
+        if numeric.sum() <= len(numeric) // 2:  # mostly words: a text column (ids, names), said elsewhere
+            continue
+        row = int(np.flatnonzero(~numeric)[0])
+        value = col[row].as_py()
+        what = "is empty" if not value.strip() else f"holds {value!r}, not a number"
+        raise ConfigError(PATH_KEY, f"{where}: {row_at(where, row)}, column {name!r} {what}, where the column's "
+                                    "other cells are numbers; fill or drop missing values first")
 
 
 # ---- per-client folders -------------------------------------------------------------------------
 
+def _is_empty(f: Path) -> bool:
+    """Whether a client's file holds no rows (such a file may lack columns or a shape too)."""
+    if f.suffix == ".parquet":
+        try:
+            return pq.ParquetFile(f).metadata.num_rows == 0
+        except (OSError, pa.ArrowException):
+            return False  # unreadable: read_parquet says why
+    return False
+
+
 def read_client_folder(folder: Path, files: list[Path], params) -> Table:
-    """Each file is one client (its id the file name's stem); rows in sorted-id order."""
+    """Each file is one client (its id the file name's stem); rows in sorted-id order. A file
+    without rows is a client without samples (``Table.empty_clients``), whatever shape it has."""
     by_id = {f.stem: f for f in files}
     files = [by_id[i] for i in sorted_ids(list(by_id))]
-    parts = []
-    for f in files:
-        t = read_npz(f, params) if f.suffix == ".npz" else read_parquet(f, params)
+    parts, empty = [], []
+    for k, f in enumerate(files):
+        t = None if _is_empty(f) else read_npz(f, params) if f.suffix == ".npz" else read_parquet(f, params)
+        if t is None or t.num_rows == 0:
+            empty.append(f)
+            continue
         if t.x is None:
-            x = np.concatenate([c for _, c in t.iter_features()]) if t.num_rows else None
-            t.x = x
-        parts.append(t)
-    shapes = {t.sample_shape for t in parts}
+            t.x = np.concatenate([c for _, c in t.iter_features()])
+        parts.append((k, f, t))
+    if not parts:
+        raise ConfigError(PATH_KEY, f"{folder}: all {len(files):,} client files are empty")
+    tables = [t for _, _, t in parts]
+    shapes = {t.sample_shape for t in tables}
     if len(shapes) > 1:
-        first, other = parts[0], next(t for t in parts if t.sample_shape != parts[0].sample_shape)
+        first, other = tables[0], next(t for t in tables if t.sample_shape != tables[0].sample_shape)
         raise ConfigError(PATH_KEY, f"{other.where} holds samples of shape {other.sample_shape}, {first.where} "
                                     f"{first.sample_shape}; every client needs the same sample shape")
-    ids = [f.stem for f in files]
-    clients = pa.array(np.repeat(np.arange(len(files)), [t.num_rows for t in parts]))
+    clients = pa.array(np.repeat([k for k, _, _ in parts], [t.num_rows for t in tables]))
     clusters = None
-    if any(t.clusters is not None for t in parts):
-        missing = [t.where for t in parts if t.clusters is None]
+    if any(t.clusters is not None for t in tables):
+        missing = [t.where for t in tables if t.clusters is None]
         if missing:
             raise ConfigError("data.params.cluster_column", f"{missing[0]} has no {params.cluster_column!r} while "
                                                             "other clients have one")
-        clusters = pa.concat_arrays([t.clusters for t in parts])
-    labels = pa.concat_arrays([t.labels.cast(parts[0].labels.type) for t in parts])
-    x = np.concatenate([t.x for t in parts])
-    return Table(str(folder), len(x), labels, clients, clusters, parts[0].plan, parts[0].sample_shape, x=x,
-                 client_names=ids, dtype=x.dtype)
+        clusters = pa.concat_arrays([t.clusters for t in tables])
+    labels = pa.concat_arrays([t.labels.cast(tables[0].labels.type) for t in tables])
+    x = np.concatenate([t.x for t in tables])
+    starts = np.concatenate([[0], np.cumsum([t.num_rows for t in tables])[:-1]]).astype(np.int64)
+    where = Where.of(str(folder), parts=(starts, [f"{f.name} row" for _, f, _ in parts]))
+    return Table(where, len(x), labels, clients, clusters, tables[0].plan, tables[0].sample_shape, x=x,
+                 client_names=[f.stem for f in files], dtype=x.dtype, empty_clients=[f.stem for f in empty],
+                 client_files={f.stem: [f.name] for f in files})
 
 
-# ---- LEAF JSON ----------------------------------------------------------------------------------
-
-def _leaf_files(path: Path) -> dict[str, list[Path]]:
-    if path.is_file():
-        return {"train": [path]}
-    split = {s: sorted((path / s).glob("*.json")) for s in ("train", "test") if (path / s).is_dir()}
-    return split if split else {"train": sorted(path.glob("*.json"))}
-
-
-def read_leaf(path: Path, params) -> Table:
-    """LEAF's users and samples; with train/ and test/ folders, ``test`` marks LEAF's test rows."""
-    users: dict[str, dict[str, list]] = {}
-    files = _leaf_files(path)
-    shape = None
-    for split, paths in files.items():
-        for f in paths:
-            try:
-                blob = json.loads(f.read_text())
-            except (OSError, ValueError) as err:
-                raise ConfigError(PATH_KEY, f"{f} is not readable LEAF JSON ({str(err).splitlines()[0]})") from None
-            if not isinstance(blob, dict) or "users" not in blob or "user_data" not in blob:
-                found = ", ".join(map(str, blob)) if isinstance(blob, dict) else type(blob).__name__
-                raise ConfigError(PATH_KEY, f"{f} is not LEAF JSON: it needs 'users' and 'user_data' (found: {found})")
-            for user in blob["users"]:
-                data = blob["user_data"].get(user)
-                if data is None or "x" not in data or "y" not in data:
-                    raise ConfigError(PATH_KEY, f"{f}: user {user!r} has no x/y in user_data")
-                if len(data["x"]) != len(data["y"]):
-                    raise ConfigError(PATH_KEY, f"{f}: user {user!r} has {len(data['x'])} x and {len(data['y'])} y")
-                x = _leaf_x(data["x"], f, user)
-                if shape is None:
-                    shape = x.shape[1:]
-                elif x.shape[1:] != shape:
-                    raise ConfigError(PATH_KEY, f"{f}: user {user!r} has samples of shape {x.shape[1:]}, earlier "
-                                                f"users {shape} (ragged rows)")
-                entry = users.setdefault(str(user), {"x": [], "y": [], "test": []})
-                entry["x"].append(x)  # converted per file: never the whole data set as Python floats
-                entry["y"].extend(data["y"])
-                entry["test"].extend([split == "test"] * len(data["y"]))
-            del blob
-    if not users:
-        raise ConfigError(PATH_KEY, f"{path} holds no LEAF users (looked for *.json, train/*.json, test/*.json)")
-    names = sorted_ids(list(users))
-    x = np.concatenate([a for u in names for a in users[u]["x"]])
-    counts = [len(users[u]["y"]) for u in names]
-    y = [v for u in names for v in users[u]["y"]]
-    try:
-        labels = pa.array(y)
-    except (pa.ArrowException, TypeError) as err:
-        raise ConfigError("data.params.label_column", f"{path}: LEAF y values are not numbers ({err})") from None
-    test = np.array([t for u in names for t in users[u]["test"]], dtype=bool) if "test" in files else None
-    return Table(str(path), len(x), labels, pa.array(np.repeat(np.arange(len(names)), counts)), None,
-                 FeaturePlan("list", ("x",), tuple(shape)), tuple(shape), x=x, test=test, client_names=names)
-
-
-def _leaf_x(values: list, f: Path, user: str) -> np.ndarray:
-    if values and isinstance(values[0], str):
-        raise ConfigError(PATH_KEY, f"{f}: user {user!r} has text samples; pfl reads numeric LEAF features "
-                                    "(FEMNIST, synthetic), not text (Shakespeare, Sent140) without a tokenizer")
-    try:
-        x = np.asarray(values, dtype=np.float32)
-    except (ValueError, TypeError):
-        lengths = [len(v) if isinstance(v, list) else 1 for v in values]
-        row = next((i for i, n in enumerate(lengths) if n != lengths[0]), 0)
-        raise ConfigError(PATH_KEY, f"{f}: user {user!r}, sample {row} has {lengths[row]} values, the samples "
-                                    f"before it {lengths[0]} (ragged rows)") from None
-    return x.reshape(len(values), -1) if x.ndim == 1 else x
-
-
-__all__ = ["CHUNK_ROWS", "Table", "read_client_folder", "read_csv", "read_leaf", "read_npz", "read_parquet",
-           "table_from_arrow"]
+__all__ = ["CHUNK_ROWS", "Table", "read_client_folder", "read_csv", "read_npz", "read_parquet", "table_from_arrow"]

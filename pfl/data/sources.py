@@ -43,6 +43,7 @@ class SourceData:
     client_ids: list[str] | None = None            # the data's own id of each device
     test_rows: np.ndarray | None = None            # (N,) bool: the data's own test split (LEAF)
     fingerprint: str | None = None                 # hash of what a partition is made from (cache key)
+    notes: tuple[str, ...] = ()                    # natural partitions: what a person should hear (clients left out)
     # per-client sources: the source's own split of its devices (devices, test_fraction, val_fraction,
     # rng) -> (train, val, test) lists, instead of a stratified split per device (pfl.data.crowd)
     split: Callable[..., tuple[list, list, list]] | None = None
@@ -72,6 +73,9 @@ class SourceSpec:
     default_kind: Callable[[Any], str] | None = None
     has_clients: Callable[[Any], bool] | None = None
     check_config: Callable[[Any], None] | None = None
+    # raises the source's own reason why a natural partition finds no client ids (a column that
+    # looks like them under another name); returning means it knows none
+    explain_no_clients: Callable[[Any], None] | None = None
 
     def parse(self, params: Any = None) -> Any:
         """The params dataclass from a dict (validated) or an instance."""

@@ -6,7 +6,8 @@ sample per row (a list of numbers, or an encoded PNG/JPEG image; Hugging Face im
 structs of the encoded bytes and a path). :class:`FeaturePlan` says which case a schema is, and
 :func:`features_of` turns one record batch into a ``(rows, *sample_shape)`` array in its stored
 form (uint8 for images, else the column type), refusing ragged rows, empty cells and undecodable
-images with the row number. Non-finite values are refused by :func:`check_finite`.
+images with the row as its user would find it (:func:`row_at`: a CSV's line, a LEAF user's
+sample). Non-finite values are refused by :func:`check_finite`.
 
 Everything here raises :class:`~pfl.schema.ConfigError` on the key the user would change
 (``data.params.*``); ``where`` (a file name) is part of every message.
@@ -24,6 +25,39 @@ import pyarrow.compute as pc
 from ..schema import ConfigError
 
 PATH_KEY = "data.params.path"
+
+
+class Where(str):
+    """A data set's name in messages that also knows how its user numbers the rows.
+
+    Row numbers inside pfl are positions in one table, which a user can find only in a single
+    Parquet or NumPy file. A CSV's user counts lines (``first_line``: the line of row 0, after
+    the header); data put together from several files (LEAF users, per-client files) is found by
+    the file and the place in it (``parts``: the first row of each piece and how to name it).
+    A ``str`` subclass, so that every message that prints ``where`` keeps working."""
+    first_line: int | None = None
+    parts: tuple[np.ndarray, list[str]] | None = None
+
+    @classmethod
+    def of(cls, name: str, first_line: int | None = None,
+           parts: tuple[np.ndarray, list[str]] | None = None) -> "Where":
+        out = cls(name)
+        out.first_line, out.parts = first_line, parts
+        return out
+
+
+def row_at(where: str, row: int) -> str:
+    """Row ``row`` of the table (0-based) as its user would find it: ``line 1236`` in a CSV
+    file, ``train/a.json user 'f0003_11' sample 4`` in LEAF, else ``row 1234``."""
+    first = getattr(where, "first_line", None)
+    if first is not None:
+        return f"line {row + first}"
+    parts = getattr(where, "parts", None)
+    if parts is not None:
+        starts, names = parts
+        i = int(np.searchsorted(starts, row, side="right")) - 1
+        return f"{names[i]} {row - int(starts[i])}"
+    return f"row {row}"
 
 
 @dataclass(frozen=True)
@@ -80,12 +114,50 @@ def plan_features(schema: pa.Schema, feature_columns: list[str] | None, reserved
     if len(names) == 1 and (_is_list(types[names[0]]) or _is_image(types[names[0]])):
         return FeaturePlan("list" if _is_list(types[names[0]]) else "image", tuple(names))
     bad = [n for n in names if not _is_number(types[n])]
+    samples = [n for n in bad if _is_list(types[n]) or _is_image(types[n])]
+    if bad and len(samples) == 1 and len(bad) == 1 and feature_columns is None:
+        # blaming the image for not being a number would point at the one column that is right
+        others = ", ".join(repr(n) for n in names if n != samples[0])
+        raise ConfigError(key, f"{where}: column {samples[0]!r} holds one sample per row ({types[samples[0]]}), "
+                               f"and the other columns ({others}) would be features beside it; set "
+                               f"data.params.feature_columns: [{samples[0]}] (the label, client and cluster "
+                               "columns are never features)")
     if bad:
-        first = bad[0]
-        raise ConfigError(key, f"{where}: feature column {first!r} holds {types[first]}, not numbers; features are "
-                               "number columns, or one column of number lists or encoded images (set "
-                               "data.params.feature_columns to choose them)")
+        # text first: a column of names is never a feature, and is the likelier mistake
+        first = next((n for n in bad if n not in samples), bad[0])
+        raise ConfigError(key, f"{where}: column {first!r} holds {types[first]}, not numbers, and is not the "
+                               "label, client or cluster column; features are number columns, or one column of "
+                               "number lists or encoded images (set data.params.feature_columns to choose them)")
     return FeaturePlan("columns", tuple(names), (len(names),))
+
+
+def candidate_columns(schema: pa.Schema, reserved: set[str]) -> list[str]:
+    """Columns that might hold client ids under another name: text or integers."""
+    def fits(tp: pa.DataType) -> bool:
+        if pa.types.is_dictionary(tp):
+            tp = tp.value_type
+        return pa.types.is_string(tp) or pa.types.is_large_string(tp) or pa.types.is_integer(tp)
+    return [n for n in schema.names if n not in reserved and fits(schema.field(n).type)]
+
+
+def missing_client_column(columns: dict[str, pa.Array], num_rows: int, column: str, where: str,
+                          limit: int = 3) -> ConfigError | None:
+    """The error for a client column that is not there, when other columns look like client ids:
+    values that repeat (at most half as many distinct values as rows), the most distinct first, so
+    that writers come before a few classes or 256 pixel values; None when none does."""
+    found = []
+    for name, values in columns.items():
+        if isinstance(values, pa.ChunkedArray):
+            values = values.combine_chunks()
+        distinct = pc.count_distinct(values).as_py()
+        if 2 <= distinct <= num_rows // 2:
+            found.append((distinct, name))
+    if not found:
+        return None
+    found.sort(key=lambda f: -f[0])
+    listed = ", ".join(f"{name!r} ({k:,} distinct values over {num_rows:,} rows)" for k, name in found[:limit])
+    return ConfigError("data.params.client_column", f"no column {column!r} in {where}; candidates: {listed} — set "
+                                                    f"data.params.client_column: {found[0][1]}")
 
 
 def _decode_image(data: bytes, row: int, column: str, where: str) -> np.ndarray:
@@ -95,8 +167,8 @@ def _decode_image(data: bytes, row: int, column: str, where: str) -> np.ndarray:
         with Image.open(io.BytesIO(data)) as img:
             arr = np.asarray(img.convert("L") if img.mode in ("1", "P", "I;16", "I", "F") else img)
     except (UnidentifiedImageError, OSError, ValueError) as err:
-        raise ConfigError(PATH_KEY, f"{where}: row {row}, column {column!r} is not a readable PNG/JPEG image "
-                                    f"({str(err).splitlines()[0]})") from None
+        raise ConfigError(PATH_KEY, f"{where}: {row_at(where, row)}, column {column!r} is not a readable PNG/JPEG "
+                                    f"image ({str(err).splitlines()[0]})") from None
     if arr.ndim == 2:
         return arr[None]
     return np.ascontiguousarray(arr.transpose(2, 0, 1))  # H, W, C -> C, H, W
@@ -118,9 +190,9 @@ def _image_bytes(column: pa.Array) -> list:
 
 def _ragged(lengths: np.ndarray, expected: int, first_row: int, column: str, where: str) -> ConfigError:
     row = int(np.flatnonzero(lengths != expected)[0])
-    return ConfigError(PATH_KEY, f"{where}: row {first_row + row}, column {column!r} has {int(lengths[row])} "
-                                 f"values, the rows before it {expected}; every sample needs the same shape "
-                                 "(ragged rows)")
+    return ConfigError(PATH_KEY, f"{where}: {row_at(where, first_row + row)}, column {column!r} has "
+                                 f"{int(lengths[row])} values, the rows before it {expected}; every sample needs "
+                                 "the same shape (ragged rows)")
 
 
 def features_of(batch: pa.RecordBatch | pa.Table, plan: FeaturePlan, first_row: int, where: str,
@@ -137,7 +209,7 @@ def features_of(batch: pa.RecordBatch | pa.Table, plan: FeaturePlan, first_row: 
             col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
             if col.null_count:
                 row = int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
-                raise ConfigError(PATH_KEY, f"{where}: row {first_row + row}, column {name!r} is empty; "
+                raise ConfigError(PATH_KEY, f"{where}: {row_at(where, first_row + row)}, column {name!r} is empty; "
                                             "fill or drop missing features first")
             cols.append(col.to_numpy(zero_copy_only=False))
         out = np.empty((n, len(cols)), dtype=np.float32)
@@ -149,13 +221,13 @@ def features_of(batch: pa.RecordBatch | pa.Table, plan: FeaturePlan, first_row: 
     col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
     if col.null_count:
         row = int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
-        raise ConfigError(PATH_KEY, f"{where}: row {first_row + row}, column {name!r} is empty")
+        raise ConfigError(PATH_KEY, f"{where}: {row_at(where, first_row + row)}, column {name!r} is empty")
     if plan.kind == "image":
         images = [_decode_image(b, first_row + i, name, where) for i, b in enumerate(_image_bytes(col))]
         shape = expected or (images[0].shape if images else ())
         for i, img in enumerate(images):
             if img.shape != tuple(shape):
-                raise ConfigError(PATH_KEY, f"{where}: row {first_row + i}, column {name!r} is a "
+                raise ConfigError(PATH_KEY, f"{where}: {row_at(where, first_row + i)}, column {name!r} is a "
                                             f"{'x'.join(map(str, img.shape))} image, the rows before it "
                                             f"{'x'.join(map(str, shape))}; every image needs the same size")
         return np.stack(images) if images else np.zeros((0, *shape), dtype=np.uint8)
@@ -170,7 +242,7 @@ def features_of(batch: pa.RecordBatch | pa.Table, plan: FeaturePlan, first_row: 
     values = col.flatten()
     if values.null_count:
         flat = int(np.flatnonzero(values.is_null().to_numpy(zero_copy_only=False))[0])
-        raise ConfigError(PATH_KEY, f"{where}: row {first_row + flat // max(width, 1)}, column "
+        raise ConfigError(PATH_KEY, f"{where}: {row_at(where, first_row + flat // max(width, 1))}, column "
                                     f"{name}[{flat % max(width, 1)}] is empty")
     if not _is_number(values.type):
         raise ConfigError("data.params.feature_columns", f"{where}: column {name!r} holds lists of "
@@ -188,8 +260,16 @@ def check_finite(x: np.ndarray, first_row: int, plan: FeaturePlan, where: str) -
     bad = ~np.isfinite(flat)
     if bad.any():
         row, col = (int(v) for v in np.argwhere(bad)[0])
-        raise ConfigError(PATH_KEY, f"{where}: row {first_row + row}, column {plan.column_name(col)!r} is "
-                                    f"{flat[row, col]}; features must be finite (clean or impute them first)")
+        raise ConfigError(PATH_KEY, f"{where}: {row_at(where, first_row + row)}, column {plan.column_name(col)!r} "
+                                    f"is {_value(flat[row, col])}; features must be finite (clean or impute them "
+                                    "first)")
+
+
+def _value(v) -> str:
+    """A bad number as a user would write it: a NaN is not an empty cell, and says so."""
+    if isinstance(v, (float, np.floating)) and np.isnan(v):
+        return "NaN (not a number)"
+    return repr(float(v)) if isinstance(v, (float, np.floating)) else repr(v)
 
 
 # ---- labels, client ids, clusters -------------------------------------------------------------
@@ -202,7 +282,7 @@ def labels_of(values: pa.Array | pa.ChunkedArray, task: str, column: str, where:
         values = values.combine_chunks()
     if values.null_count:
         row = int(np.flatnonzero(values.is_null().to_numpy(zero_copy_only=False))[0])
-        raise ConfigError(key, f"{where}: row {row} has no label in column {column!r}")
+        raise ConfigError(key, f"{where}: {row_at(where, row)} has no label in column {column!r}")
     tp = values.type
     if pa.types.is_dictionary(tp):
         values = values.dictionary_decode()
@@ -214,18 +294,25 @@ def labels_of(values: pa.Array | pa.ChunkedArray, task: str, column: str, where:
     if task == "auto":
         task = "regression" if pa.types.is_floating(tp) else "classification"
     if task == "regression":
+        # a NaN label cell makes an integer column float, so it lands here rather than below
+        bad = np.flatnonzero(~np.isfinite(y))
+        if bad.size:
+            row = int(bad[0])
+            raise ConfigError(key, f"{where}: {row_at(where, row)} has label {_value(y[row])} in column {column!r}; "
+                                   "labels must be finite numbers (fill or drop the row)")
         return y.astype(np.float32), task
     if y.dtype.kind == "f":
         bad = np.flatnonzero(~np.isfinite(y) | (y != np.round(y)))
         if bad.size:
             row = int(bad[0])
-            raise ConfigError(key, f"{where}: row {row} has label {y[row]!r} in column {column!r}; classification "
-                                   "labels must be integers 0..C-1 (or set data.params.task: regression)")
+            raise ConfigError(key, f"{where}: {row_at(where, row)} has label {_value(y[row])} in column {column!r}; "
+                                   "classification labels must be integers 0..C-1 (or set data.params.task: "
+                                   "regression)")
     y = y.astype(np.int64)
     if y.size and y.min() < 0:
         row = int(np.argmin(y))
-        raise ConfigError(key, f"{where}: row {row} has label {y[row]} in column {column!r}; classification "
-                               "labels must be integers 0..C-1")
+        raise ConfigError(key, f"{where}: {row_at(where, row)} has label {y[row]} in column {column!r}; "
+                               "classification labels must be integers 0..C-1")
     return y, task
 
 
@@ -237,7 +324,7 @@ def group_ids(values: pa.Array | pa.ChunkedArray, column: str, where: str, key: 
         values = values.dictionary_decode()
     if values.null_count:
         row = int(np.flatnonzero(values.is_null().to_numpy(zero_copy_only=False))[0])
-        raise ConfigError(key, f"{where}: row {row} has no value in column {column!r}")
+        raise ConfigError(key, f"{where}: {row_at(where, row)} has no value in column {column!r}")
     if not (_is_number(values.type) or pa.types.is_string(values.type) or pa.types.is_large_string(values.type)):
         values = values.cast(pa.string())
     distinct = pc.unique(values)
@@ -264,5 +351,5 @@ def sorted_ids(ids: list[str]) -> list[str]:
 
 
 
-__all__ = ["FeaturePlan", "check_finite", "features_of", "group_ids", "labels_of", "plan_features",
-           "require_column", "rows_by_group", "sorted_ids"]
+__all__ = ["FeaturePlan", "Where", "candidate_columns", "check_finite", "features_of", "group_ids", "labels_of",
+           "missing_client_column", "plan_features", "require_column", "row_at", "rows_by_group", "sorted_ids"]
