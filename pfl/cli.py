@@ -16,6 +16,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from . import config as config_mod
     from . import resolver
     from .runner import format_bytes, run_experiment
+    from .server_memory import check_server_memory
     from .tracking import check_store, run_hint
 
     if args.resume and args.resume_if_exists:
@@ -37,6 +38,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return 0
     for note in config_mod.config_notes(cfg):
         print(f"note: {note}")
+    check_server_memory(cfg)  # a method's population-bound server state that cannot fit: before any data
     if cfg.tracking.enabled:
         check_store()
     resume = "if-exists" if args.resume_if_exists else args.resume
@@ -87,6 +89,8 @@ def _cmd_methods(args: argparse.Namespace) -> int:
         return 0
     for cls in list_methods():
         print(f"{cls.name}: {cls.description} [clients: {cls.cohort}]")
+        if cls.server_memory_note:  # declared (Method.server_bytes): checked before a run starts
+            print(f"    server state that grows with the clients: {cls.server_memory_note}")
         _print_fields(cls.Hparams)
     return 0
 
@@ -125,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="""settings most runs touch (see `pfl methods`, `pfl datasets`, `pfl run --print-config`):
   method.name=NAME            fedavg (default), fedprox, ditto, fpfc, ... and its method.* hyperparameters
   data.source=NAME            digits (default, bundled), fmnist, fpfc_synthetic, ...
+  data.num_clients=N|all      clients (default 20); your own data (files, hf) has all of its clients
+                              by default, and N draws N of them with the seed
   federation.rounds=N         communication rounds (default 50); federation.eval_every=N
   federation.lr=X             client learning rate (default 0.1); federation.local_epochs=N (default 5)
   federation.threads=N        torch CPU threads of the run (default 1). Federated clients train small

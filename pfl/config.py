@@ -4,7 +4,7 @@ Layout (YAML)::
 
     seed: 0
     plugins: [my_method.py]                           # own methods/models (pfl/plugins.py)
-    data: {source: digits, num_clients: 20, partition: {kind: dirichlet, alpha: 0.5}, ...}
+    data: {source: digits, num_clients: null, partition: {kind: dirichlet, alpha: 0.5}, ...}
     model: {name: auto, params: {}}
     method: {name: fedavg, <that method's hyperparameters>}
     federation: {rounds: 50, clients_per_round: 10, local_epochs: 1, batch_size: 32, lr: 0.05, ...}
@@ -34,6 +34,13 @@ import yaml
 from .schema import ConfigError, check, hp, to_dict, unknown_key_error
 
 PARTITION_KINDS = ("auto", "natural", "iid", "dirichlet", "shards", "label_swap", "label_shift", "rotation")
+#: data.num_clients when it is not given, for every source but data with its own clients (files, hf)
+DEFAULT_NUM_CLIENTS = 20
+#: data.num_clients: every client of data with its own clients
+ALL_CLIENTS = "all"
+NUM_CLIENTS_ALLOWED = (f"a whole number >= 1, or {ALL_CLIENTS} (every client of data with its own clients: files or "
+                       f"hf with a natural partition); null = the default ({ALL_CLIENTS} for such data, else "
+                       f"{DEFAULT_NUM_CLIENTS})")
 
 
 @dataclass
@@ -54,7 +61,11 @@ class PartitionConfig:
 @dataclass
 class DataConfig:
     source: str = hp("digits", "data source (see `pfl datasets`)")
-    num_clients: int = hp(20, "number of clients", low=1)
+    num_clients: int | str | None = hp(None, "number of clients: a whole number >= 1, all, or null. Data with its own "
+                                              "clients (files, hf; partition natural): null or all = every client "
+                                              "it holds, N = N of them drawn with the experiment seed. Other "
+                                              f"sources: N clients, null = {DEFAULT_NUM_CLIENTS}. A resolved config "
+                                              "holds the number")
     partition: PartitionConfig = hp(default_factory=PartitionConfig)
     val_fraction: float = hp(0.1, "fraction of each client's data held out for validation", low=0.0, high=0.9)
     test_fraction: float = hp(0.2, "fraction of each client's data held out for testing", low=0.0, high=0.9)
@@ -64,6 +75,9 @@ class DataConfig:
     cache: bool = hp(True, "cache partitions as Parquet keyed by a hash of this section")
 
     def validate(self, path: str) -> None:
+        n = self.num_clients
+        if not (n is None or n == ALL_CLIENTS or (isinstance(n, int) and not isinstance(n, bool) and n >= 1)):
+            raise ConfigError(f"{path}.num_clients", f"{n!r} is not allowed; allowed: {NUM_CLIENTS_ALLOWED}")
         if self.val_fraction + self.test_fraction >= 1.0:
             raise ConfigError(f"{path}.test_fraction", "val_fraction + test_fraction must be < 1")
 
@@ -112,6 +126,13 @@ class FederationConfig:
     client_store_dir: str | None = hp(None, "folder for a disk store's files (a subfolder per run, removed when "
                                             "the run's process ends; checkpoints keep their own links); null = "
                                             "$PFL_STORE_DIR, else the system's temporary folder")
+    server_memory_gb: float | None = hp(None, "memory (GiB) the server state that grows with the population may "
+                                              "take (FPFC's pairwise θ and v, PACFL's proximity matrix, per-client "
+                                              "updates: `pfl methods`); a method that declares more for this run is "
+                                              "refused before any work. null = what the run's device has now: the "
+                                              "host's available memory, a CUDA device's free memory; set it when the "
+                                              "run will have more (a larger Ray node) or should use less",
+                                        low=0.0, low_open=True)
     eval_clients: float = hp(0.0, "clients evaluated at the evaluation rounds before the last: 0 = every "
                                   "client; a fraction (0 < x < 1) or a count (x >= 1) of the members, drawn "
                                   "once from the run's seed, the same every time; the final evaluation always "
@@ -346,7 +367,8 @@ def config_notes(cfg: ExperimentConfig) -> list[str]:
 
 
 __all__ = [
-    "ATTACK_KINDS", "AttackConfig", "CompressionConfig", "ConfigError", "DataConfig", "ExperimentConfig",
+    "ALL_CLIENTS", "ATTACK_KINDS", "AttackConfig", "CompressionConfig", "ConfigError", "DEFAULT_NUM_CLIENTS",
+    "DataConfig", "ExperimentConfig", "NUM_CLIENTS_ALLOWED",
     "FederationConfig", "MethodConfig", "ModelConfig", "NewcomersConfig", "PartitionConfig", "SECTIONS",
     "TrackingConfig", "apply_overrides", "check", "config_notes", "parse_value", "parse_yaml_file", "read_yaml",
     "round_share",

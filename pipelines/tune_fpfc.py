@@ -99,6 +99,7 @@ def with_search(space, fixed: dict, search: dict):
 
 def run(args, argv: list[str] | None = None) -> int:
     from pfl.resolver import resolve
+    from pfl.server_memory import check_server_memory
     from pfl.tracking import check_store
     from pfl.tune.lambda_path import PATH_METRICS, PathSettings, require_validation
     from pfl.tune.space import base_config, check_space, load_space
@@ -116,6 +117,9 @@ def run(args, argv: list[str] | None = None) -> int:
     check_space(space, raw, PATH_METRICS)  # everything validated before Ray starts
     cfg = resolve(raw)
     require_validation(cfg)
+    # a trial keeps the live state and the finalists' snapshots: all must fit, before the pipeline's run or Ray
+    check_server_memory(cfg, here=False, copies=1 + settings.finalists,
+                        copies_note=f"the live state and {settings.finalists} finalists' snapshots")
     if space.metric not in ("val/acc_mean", "val/rmse_mean"):
         raise ConfigError("metric", f"λ tuning selects by val/acc_mean (or val/rmse_mean), got {space.metric!r}")
     name = args.name or "tune_fpfc" + (f"-{preset}" if preset else "")

@@ -19,10 +19,10 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
-from ..config import DataConfig
+from ..config import ALL_CLIENTS, DEFAULT_NUM_CLIENTS, DataConfig
 from ..schema import ConfigError
 from .cache import cache_path, load_partition, partition_key, save_partition
-from .partition import CLUSTERED_KINDS, Partition, make_partition
+from .partition import CLUSTERED_KINDS, Partition, draw_clients, make_partition
 from .sources import REGRESSION, SourceData, list_sources, params_dict, source_spec
 from .transforms import rotate_samples, rotation_degrees, shift_labels, swap_labels
 
@@ -179,6 +179,7 @@ def resolve_data_config(cfg: DataConfig) -> None:
         raise ConfigError("data.partition.kind",
                           f"'natural' needs a source with its own devices ({per_client}); allowed kinds for "
                           f"{cfg.source}: {_allowed_kinds(False)}")
+    _resolve_num_clients(cfg, spec, params)
     shape, num_classes = spec.shape(params)
     if spec.per_client:
         k = getattr(params, "num_clusters", None)
@@ -193,6 +194,29 @@ def resolve_data_config(cfg: DataConfig) -> None:
     spec.check(params)
     if spec.check_config is not None:
         spec.check_config(cfg)
+
+
+def _own_clients(cfg: DataConfig, spec) -> bool:
+    """Whether the run's clients are the data's own (a natural partition of files or hf data)."""
+    return cfg.partition.kind == "natural" and not spec.per_client and spec.count_clients is not None
+
+
+def _resolve_num_clients(cfg: DataConfig, spec, params) -> None:
+    """``data.num_clients`` as a number: every client of data with its own clients unless a number
+    says fewer; else the default 20. Before any partition key or note uses it."""
+    n = cfg.num_clients
+    if isinstance(n, int):
+        return
+    if _own_clients(cfg, spec):
+        cfg.num_clients = spec.count_clients(params)
+    elif n == ALL_CLIENTS:
+        raise ConfigError("data.num_clients",
+                          f"{ALL_CLIENTS} means every client of data with its own clients (files or hf, partition "
+                          f"kind natural); {cfg.source} with partition kind {cfg.partition.kind} makes as many "
+                          f"clients as data.num_clients says; allowed: a whole number >= 1 (default "
+                          f"{DEFAULT_NUM_CLIENTS})")
+    else:
+        cfg.num_clients = DEFAULT_NUM_CLIENTS
 
 
 def _check_pooled_kind(cfg: DataConfig, image: bool, num_classes: int) -> None:
@@ -361,6 +385,15 @@ def _say_once(note: str) -> None:
         print(f"note: {note}", flush=True)
 
 
+def _clients_note(used: int, total: int, where: str, seed: int) -> str:
+    """The line that says which of the data's own clients a run uses."""
+    if used >= total:
+        return (f"{total:,} client{'s' if total != 1 else ''} from {where} (every client of the data; "
+                "data.num_clients selects fewer)")
+    return (f"{used:,} of {total:,} clients of {where}, drawn with seed {seed} (data.num_clients; "
+            f"{ALL_CLIENTS} = every one)")
+
+
 def load_federated(cfg: DataConfig, seed: int, device: str | torch.device = "cpu",
                    on_demand: bool = False) -> FederatedData:
     """The federation described by ``cfg`` under experiment ``seed``, with tensors on ``device``
@@ -369,7 +402,19 @@ def load_federated(cfg: DataConfig, seed: int, device: str | torch.device = "cpu
     spec = source_spec(cfg.source)
     start = time.perf_counter()
     src = spec.load(cfg.params, cfg.num_clients)
-    key = partition_key(cfg, seed, src.fingerprint)
+    natural = cfg.partition.kind == "natural"
+    content = src.fingerprint
+    if natural:  # said before the partition and the tensors are made, which may take a while
+        notes = list(src.notes)
+        if _own_clients(cfg, spec) and src.devices is not None:
+            total = len(src.devices)
+            src = draw_clients(src, cfg.num_clients, seed)
+            notes.append(_clients_note(len(src.devices), total, src.where or cfg.source, seed))
+            if len(src.devices) < total:  # a partition of drawn clients: never one of an older pfl's first N
+                content = f"{content}|clients drawn with the seed"
+        for note in notes:
+            _say_once(note)
+    key = partition_key(cfg, seed, content)
     part = None
     path = cache_path(key)
     if cfg.cache:
@@ -386,10 +431,6 @@ def load_federated(cfg: DataConfig, seed: int, device: str | torch.device = "cpu
             save_partition(path, part, len(src.y), cfg, seed)
         except OSError as err:  # a read-only cache directory must not stop the run
             log.warning("could not write partition cache %s: %s", path, err)
-    natural = cfg.partition.kind == "natural"
-    if natural:
-        for note in src.notes:
-            _say_once(note)
     data = FederatedData(clients=clients, num_classes=src.num_classes, input_shape=tuple(src.input_shape),
                          task=src.task, source=cfg.source, true_clusters=part.clusters, partition_hash=key,
                          partition_kind=cfg.partition.kind, client_ids=src.client_ids if natural else None)

@@ -14,8 +14,9 @@ Choices (docs/your-data.md):
   overrides); classes are 0..max(label);
 * ``partition.kind: auto`` is ``natural`` when the data has client ids (a client column, a folder
   of client files, LEAF users), else ``dirichlet`` (``iid`` for regression); a natural federation
-  takes the first ``data.num_clients`` clients in sorted id order (numbers numerically), dropping
-  clients below ``min_client_samples`` first;
+  has every client of the data by default, in sorted id order (numbers numerically), clients below
+  ``min_client_samples`` left out; ``data.num_clients: N`` draws N of them with the experiment seed
+  (:func:`pfl.data.federated.load_federated`; this module always returns every usable client);
 * LEAF's own train/test split is kept for natural partitions: a client's test set is its LEAF
   test samples, validation is ``val_fraction`` of its LEAF training samples; ``min_client_samples``
   then counts training samples, the ones its splits divide;
@@ -287,20 +288,24 @@ def check_inspected(info: Inspected, p, cfg) -> None:
                                               "data.max_samples: null and choose fewer clients with data.num_clients")
     refuse_incomplete(info, p)
     kept = info.kept(p.min_client_samples)
+    dropped, _, why = info.left_out(p)
+    left = f" ({dropped:,} left out: {why})" if dropped else ""
+    if not kept:
+        raise ConfigError(PATH_KEY, f"{info.table.where} has no client a natural partition can use{left}")
     if cfg.num_clients > len(kept):
-        dropped, _, why = info.left_out(p)
-        left = f" ({dropped:,} left out: {why})" if dropped else ""
         raise ConfigError("data.num_clients", f"{info.table.where} has {len(kept)} clients{left}; allowed range "
                                               f"[1, {len(kept)}]")
     fixed = info.n_test is not None
     need, what = _need(cfg, fixed)
     n_train = info.n_train()
-    for k in kept[:cfg.num_clients]:
-        if n_train[k] < need:
-            # with the data's own test split min_client_samples counts training samples, so the hint works
-            raise ConfigError(PATH_KEY, f"client {info.ids[k]!r} has {n_train[k]} {'training ' if fixed else ''}"
-                                        f"samples, fewer than the {need} {what}; set "
-                                        f"data.params.min_client_samples: {need} to leave such clients out")
+    # every client a draw of data.num_clients may take, so that a config is valid for every seed
+    small = [k for k in kept if n_train[k] < need]
+    if small:
+        k = small[0]
+        # with the data's own test split min_client_samples counts training samples, so the hint works
+        raise ConfigError(PATH_KEY, f"client {info.ids[k]!r} has {n_train[k]} {'training ' if fixed else ''}"
+                                    f"samples, fewer than the {need} {what}; set "
+                                    f"data.params.min_client_samples: {need} to leave such clients out")
 
 
 def refuse_incomplete(info: Inspected, p) -> None:
@@ -346,14 +351,20 @@ def load(p: FilesParams, num_clients: int) -> SourceData:
     return source_data(inspect(p), p, num_clients)
 
 
+def usable_clients(info: Inspected, p) -> list[int]:
+    """The clients a natural partition can use (positions into ``info.ids``), in id order."""
+    return info.kept(p.min_client_samples, getattr(p, "drop_incomplete_clients", True))
+
+
 def source_data(info: Inspected, p, num_clients: int) -> SourceData:
-    """The :class:`SourceData` of inspected data (features read on demand; also the hf source's)."""
+    """The :class:`SourceData` of inspected data (features read on demand; also the hf source's),
+    with every usable client (a natural partition draws ``data.num_clients`` of them)."""
     table = info.table
     scale = p.scale if p.scale is not None else (255.0 if table.dtype == np.uint8 else 1.0)
     featurize = functools.partial(_featurize, scale=float(scale), shape=info.input_shape)
     devices = clusters = client_ids = None
     if info.rows is not None:
-        chosen = info.kept(p.min_client_samples, getattr(p, "drop_incomplete_clients", True))[:num_clients]
+        chosen = usable_clients(info, p)
         devices = [info.rows[k] for k in chosen]
         client_ids = [str(info.ids[k]) for k in chosen]
         clusters = None if info.clusters is None else info.clusters[chosen]
@@ -361,7 +372,7 @@ def source_data(info: Inspected, p, num_clients: int) -> SourceData:
     return SourceData(x=None, y=info.y, input_shape=info.input_shape, num_classes=info.num_classes, task=info.task,
                       featurize=featurize, image_shape=image, devices=devices, clusters=clusters,
                       read_rows=functools.partial(table.read_rows, featurize=featurize), client_ids=client_ids,
-                      test_rows=table.test, fingerprint=info.fingerprint,
+                      test_rows=table.test, fingerprint=info.fingerprint, where=table.where,
                       notes=() if info.rows is None else tuple(filter(None, [info.note(p)])))
 
 
@@ -376,8 +387,10 @@ register_source(SourceSpec(
     FilesParams, "mlp", CLASSIFICATION, per_client=False, image=False,
     shape_fn=lambda p: (inspect(p).input_shape, inspect(p).num_classes), load_fn=load, check_fn=inspect,
     default_kind=lambda p: default_kind(inspect(p)), has_clients=lambda p: inspect(p).ids is not None,
-    check_config=check_config, explain_no_clients=lambda p: explain_missing_clients(inspect(p))))
+    check_config=check_config, explain_no_clients=lambda p: explain_missing_clients(inspect(p)),
+    count_clients=lambda p: len(usable_clients(inspect(p), p))))
 
 
 __all__ = ["FilesParams", "Inspected", "check_config", "check_inspected", "default_kind", "detect",
-           "explain_missing_clients", "inspect", "inspect_table", "load", "refuse_incomplete", "source_data"]
+           "explain_missing_clients", "inspect", "inspect_table", "load", "refuse_incomplete", "source_data",
+           "usable_clients"]

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 from ..schema import ConfigError, hp
 from ..paths import absolute_path, shipped_path
-from .files import Inspected, check_inspected, default_kind, explain_missing_clients, inspect_table, source_data
+from .files import (Inspected, check_inspected, default_kind, explain_missing_clients, inspect_table, source_data,
+                    usable_clients)
 from .readers import table_from_arrow
 from .sources import CLASSIFICATION, REGRESSION, SourceSpec, register_source
 
@@ -127,6 +128,7 @@ register_source(SourceSpec(
     shape_fn=lambda p: (inspect(p).input_shape, inspect(p).num_classes),
     load_fn=lambda p, m: source_data(inspect(p), p, m), check_fn=inspect,
     default_kind=lambda p: default_kind(inspect(p)), has_clients=lambda p: inspect(p).ids is not None,
-    check_config=_check_config, explain_no_clients=lambda p: explain_missing_clients(inspect(p))))
+    check_config=_check_config, explain_no_clients=lambda p: explain_missing_clients(inspect(p)),
+    count_clients=lambda p: len(usable_clients(inspect(p), p))))
 
 __all__ = ["EXTRA", "HFParams", "inspect"]

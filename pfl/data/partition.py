@@ -18,7 +18,8 @@ Kinds (``data.partition.kind``):
   images are rotated per group
   (see :mod:`pfl.data.transforms`);
 * ``natural``: the per-client source's own devices (a file's client ids; LEAF's own test split
-  is kept, validation then comes from each client's LEAF training samples).
+  is kept, validation then comes from each client's LEAF training samples); of data with its own
+  clients, ``data.num_clients`` of them drawn with the seed (:func:`draw_clients`).
 
 Power-law sizes: client weights are Pareto distributed with tail exponent ``power``
 (P(W > w) = w^(−power), w ≥ 1); every client first gets ``min_samples`` and the rest of the pool is
@@ -27,6 +28,7 @@ shared in proportion to the weights.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import zlib
 from dataclasses import dataclass
@@ -326,6 +328,19 @@ def assign_clients(cfg: DataConfig, labels: np.ndarray, rng: np.random.Generator
         sizes = client_sizes(n, m, part.sizes, part.power, part.min_samples, rng)
         return shard_split(labels, m, part.classes_per_client, sizes / sizes.sum(), rng)
     raise ValueError(f"partition kind {kind!r} does not apply to a pooled source")
+
+
+def draw_clients(src: SourceData, num_clients: int, seed: int) -> SourceData:
+    """``src`` with ``num_clients`` of its own clients, drawn with the experiment ``seed`` (the same
+    ones for the same seed every time), kept in their id order; all of them when it asks for as many."""
+    total = len(src.devices)
+    if num_clients >= total:
+        return src
+    chosen = np.sort(rng_for(seed, "pfl.data.clients").choice(total, size=num_clients, replace=False))
+    return dataclasses.replace(
+        src, devices=[src.devices[k] for k in chosen],
+        clusters=None if src.clusters is None else np.asarray(src.clusters)[chosen],
+        client_ids=None if src.client_ids is None else [src.client_ids[k] for k in chosen])
 
 
 def make_partition(cfg: DataConfig, src: SourceData, seed: int) -> Partition:

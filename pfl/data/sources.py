@@ -44,6 +44,7 @@ class SourceData:
     test_rows: np.ndarray | None = None            # (N,) bool: the data's own test split (LEAF)
     fingerprint: str | None = None                 # hash of what a partition is made from (cache key)
     notes: tuple[str, ...] = ()                    # natural partitions: what a person should hear (clients left out)
+    where: str | None = None                       # the data's name in notes (a file or folder)
     # per-client sources: the source's own split of its devices (devices, test_fraction, val_fraction,
     # rng) -> (train, val, test) lists, instead of a stratified split per device (pfl.data.crowd)
     split: Callable[..., tuple[list, list, list]] | None = None
@@ -76,6 +77,9 @@ class SourceSpec:
     # raises the source's own reason why a natural partition finds no client ids (a column that
     # looks like them under another name); returning means it knows none
     explain_no_clients: Callable[[Any], None] | None = None
+    # data with its own clients: how many a natural partition can use, which is the default
+    # data.num_clients (load_fn then returns all of them; load_federated draws fewer with the seed)
+    count_clients: Callable[[Any], int] | None = None
 
     def parse(self, params: Any = None) -> Any:
         """The params dataclass from a dict (validated) or an instance."""

@@ -34,6 +34,7 @@ from ..methods import ClientHandle, EvalPlan, Method, get_method
 from ..models import build_model
 from ..models.custom import prepare_model
 from ..schema import from_dict, to_dict
+from ..server_memory import check_server_memory, declares_memory, model_size
 from . import attacks  # noqa: F401  (registers the attack stage)
 from .cohort import DIRECT, Cohort, Compute, Sequential
 from .comm import CommLedger
@@ -88,6 +89,9 @@ class Simulator:
         self.newcomers_joined = False          # the newcomers have joined (evaluated with everyone)
         self.join_result: dict | None = None   # their metrics, once joined
         method_cls = get_method(cfg.method.name)
+        if declares_memory(method_cls):  # population-bound server state (FPFC's θ, v): refused before it is made
+            check_server_memory(cfg, len(self.data.clients),
+                                model_size(model, self.data.input_shape, self.data.num_classes), device=self.device)
         self.method: Method
         self.client_role: Method
         self.method, self.client_role = method_cls.create(cfg.method.hparams, self.ctx)

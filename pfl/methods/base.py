@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import torch
 
+from ..config import round_share
 from ..federation.cohort import DIRECT, Compute
 from ..federation.messages import Message
 from ..training import EvalCall, EvalResult, Params, TrainCall, TrainResult
@@ -101,6 +102,34 @@ class ClientHandle:
         return self.compute.evaluate(EvalCall(self.model, params, x, y, self.ctx.meta.task, forward))
 
 
+@dataclass(frozen=True)
+class ModelSize:
+    """What a method's server memory depends on besides the population (:meth:`Method.server_bytes`):
+    the model's parameter count ``params`` (p), those of its head (the last unit, or ``model.head``),
+    one sample's features, the classes (0: regression) and the bytes of one parameter value."""
+    params: int
+    head: int
+    features: int = 0
+    classes: int = 0
+    itemsize: int = 4
+
+    def with_params(self, params: int) -> "ModelSize":
+        """A model of ``params`` parameters with the same share of them in its head."""
+        head = min(params, round(self.head * params / self.params)) if self.params else 0
+        return dataclasses.replace(self, params=params, head=head)
+
+
+def members_of(m: int, cfg: Any) -> int:
+    """The clients that train (newcomers join after training) among ``m``, for ``cfg``."""
+    return m - round_share(m, cfg.newcomers.fraction)
+
+
+def samples_everyone(m: int, cfg: Any) -> bool:
+    """Every training client in every round (``federation.clients_per_round`` 0 or at least them)."""
+    k = cfg.federation.clients_per_round
+    return k == 0 or k >= members_of(m, cfg)
+
+
 @dataclass
 class EvalPlan:
     """What a client is evaluated with at an evaluation round (built client-side by :meth:`Method.eval_plan`)."""
@@ -142,6 +171,28 @@ class Method:
     #: stateful paths (warm-up over, clusters split, every client sampled where it needs all): what
     #: the tests' every-method runs use (tests/helpers.py), declared here next to ``Hparams``
     quick: ClassVar[dict[str, Any]] = {}
+    #: what in the server state grows with the population, in words (FPFC: its pairwise θ and v), for
+    #: the memory check's refusal (pfl/server_memory.py); goes with :meth:`server_bytes`
+    server_memory_note: ClassVar[str] = ""
+    #: hyperparameter values that shrink that state ({field: value}; FPFC: shared_layers=body): the
+    #: memory check says what each would need
+    memory_options: ClassVar[dict[str, Any]] = {}
+
+    @classmethod
+    def server_bytes(cls, m: int, size: ModelSize, cfg: Any) -> int | None:
+        """At most how many bytes of server state grow with the population: what the server keeps per
+        client or per pair of clients once all ``m`` clients (newcomers included) have reported, for
+        a model of ``size`` and the resolved config ``cfg`` (``method.hparams``, the federation). The
+        few models a server keeps whatever m is are not counted. None (default): nothing grows with m.
+        A run whose need does not fit is refused before any work (pfl/server_memory.py);
+        tests/test_method_memory.py compares the number with the state a run holds."""
+        return None
+
+    @classmethod
+    def server_work_bytes(cls, m: int, size: ModelSize, cfg: Any) -> int:
+        """The most bytes of temporaries a round's server steps hold on top of that state, where they
+        are of its order (FPFC: a pair update's (|A|, m, p) tensors); 0 (default): negligible."""
+        return 0
 
     def __init__(self, hparams: Any, ctx: "RunContext"):
         self.hp = hparams

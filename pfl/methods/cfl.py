@@ -53,7 +53,7 @@ from ..clusters import assignment_metrics, write_assignment_table
 from ..schema import hp
 from ..training import Params
 from . import register
-from .base import ClientHandle, Method
+from .base import ClientHandle, Method, ModelSize, members_of
 
 
 @dataclass
@@ -127,6 +127,14 @@ class CFL(Method):
     quick = {"method.start_round": 1, "method.eps1": 100.0, "method.eps2": 0.0}
     description = "Clustered FL by recursive bipartitioning on update similarity (Sattler et al. 2020)"
     metric_names = ("cluster/num", "cluster/ari", "cfl/mean_norm", "cfl/max_norm")
+    server_memory_note = "every client's latest update (m·p values)"
+
+    @classmethod
+    def server_bytes(cls, m: int, size: ModelSize, cfg) -> int:
+        """``last_update``: one flat update per training client. Not counted: the cluster models (one
+        per cluster) and the split tree's, and a split's cosine distances between the cluster's k
+        participants of that round (a float32 and a float64 k × k matrix, freed after the split)."""
+        return size.itemsize * members_of(m, cfg) * size.params
 
     def setup(self) -> None:
         self.clusters: list[list[int]] = [list(self.ctx.members)]

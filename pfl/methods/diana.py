@@ -42,7 +42,7 @@ from ..federation.messages import Message, Model, Update
 from ..schema import ConfigError, hp
 from ..training import Params, batch_gradient
 from . import register
-from .base import ClientHandle, Method
+from .base import ClientHandle, Method, ModelSize, members_of, samples_everyone
 from .compressed import full_participation, generators, model_omega, require_full_participation, uplink_compressor
 from .fedavg import FedAvg, FedAvgHparams
 
@@ -79,6 +79,13 @@ class Diana(FedAvg):
     description = ("DIANA: compressed differences to learned shifts h_i (Mishchenko et al. 2019); "
                    "global model; unbiased compression.uplink")
     compresses_uplink = "unbiased"
+    server_memory_note = "every client's shift h_i (m·p values; shifts=per_client, or auto with client sampling)"
+
+    @classmethod
+    def server_bytes(cls, m: int, size: ModelSize, cfg) -> int:
+        shifts = cfg.method.hparams.shifts
+        per_client = shifts == "per_client" or (shifts == "auto" and not samples_everyone(m, cfg))
+        return size.itemsize * members_of(m, cfg) * size.params if per_client else 0  # h
 
     def configure(self) -> None:
         super().configure()

@@ -71,7 +71,7 @@ from ..models import layer_groups
 from ..schema import ConfigError, hp
 from ..training import AddToParams, Params, PullTo, Shift, SoftThreshold, Terms
 from . import register
-from .base import GLOBAL, ClientHandle, Method
+from .base import GLOBAL, ClientHandle, Method, ModelSize
 
 
 @dataclass
@@ -102,6 +102,12 @@ class FedSLR(Method):
     description = "Low-rank global model (server SVT) + sparse personal part (Huang et al. 2023)"
     metric_names = ("model/rank_mean", "model/rank_kept_ratio", "model/rank/*", "model/params",
                     "model/mixed_params", "model/sparsity")
+    server_memory_note = "every client's γ_i with server=algo2 (m·p values)"
+    memory_options = {"server": "algo3"}
+
+    @classmethod
+    def server_bytes(cls, m: int, size: ModelSize, cfg) -> int:
+        return size.itemsize * m * size.params if cfg.method.hparams.server == "algo2" else 0  # gamma_all
 
     # ---- lifecycle -------------------------------------------------------------------------
     def configure(self) -> None:

@@ -25,7 +25,7 @@ from ..federation.messages import Message, Model
 from ..schema import hp
 from ..training import Params, ProxPull
 from . import register
-from .base import ClientHandle, Method
+from .base import ClientHandle, Method, ModelSize, members_of, samples_everyone
 from .compressed import full_participation
 
 
@@ -53,6 +53,11 @@ class FedSplit(Method):
     name = "fedsplit"
     Hparams = FedSplitHparams
     description = "FedSplit: Peaceman–Rachford splitting with local proximal steps (Pathak & Wainwright 2020); global model x̄"
+    server_memory_note = "every client's latest z_j under client sampling (m·p values)"
+
+    @classmethod
+    def server_bytes(cls, m: int, size: ModelSize, cfg) -> int:
+        return 0 if samples_everyone(m, cfg) else size.itemsize * members_of(m, cfg) * size.params  # z
 
     def configure(self) -> None:
         self.init: Params = self.ctx.init_params()

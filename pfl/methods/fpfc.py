@@ -78,7 +78,9 @@ Decisions where the spec is silent or leaves a choice (``[ours]``):
   code does (N(0, 1)); 0 keeps the model zoo's PyTorch-style initialisation. All devices start
   from the same model either way;
 * the pairwise state is dense, m²·p floats per tensor: fine for m = 100, p = 610 (24 MB each) or a
-  CNN head; clustering a large whole model over many devices needs another layout;
+  CNN head; clustering a large whole model over many devices needs another layout. The method
+  declares it (:class:`~pfl.methods.fpfc_admm.FPFCMemory`), and a run it cannot fit is refused
+  before any work, naming the bytes and the options (pfl/server_memory.py);
 * the simulated clock (``time/sim_clock``): each synchronous round lasts the slowest sampled
   device's τ_i of :mod:`pfl.federation.async_clock` (parameters ``clock_*``);
 * a pipeline may change λ (or ν, ρ, ...) of a live method between rounds by replacing the
@@ -104,8 +106,8 @@ from ..schema import ConfigError, hp
 from ..training import Params, PullTo
 from . import register
 from .base import ClientHandle, EvalPlan, Method
-from .fpfc_admm import (FPFCJoin, Prox, Residuals, glued_clusters, pair_update, pairwise_norms, plot_theta_norms,
-                        theta_gap, zeta)
+from .fpfc_admm import (FPFCJoin, FPFCMemory, Prox, Residuals, glued_clusters, pair_update, pairwise_norms,
+                        plot_theta_norms, theta_gap, zeta)
 
 
 @dataclass
@@ -170,7 +172,7 @@ class FPFCL1Hparams(FPFCHparams):
 # ---- the method ------------------------------------------------------------------------------
 
 @register
-class FPFC(FPFCJoin, Method):
+class FPFC(FPFCJoin, FPFCMemory, Method):
     name = "fpfc"
     Hparams = FPFCHparams
     description = "Fusion-penalised federated clustering, SCAD or L1 pairwise fusion (Yu et al. 2024)"

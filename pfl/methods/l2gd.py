@@ -38,7 +38,7 @@ from ..federation.messages import Message, Model
 from ..schema import ConfigError, hp
 from ..training import Params
 from . import register
-from .base import GLOBAL, ClientHandle, EvalPlan, Method
+from .base import GLOBAL, ClientHandle, EvalPlan, Method, ModelSize, members_of, samples_everyone
 from .compressed import full_participation
 
 
@@ -76,6 +76,11 @@ class L2GD(Method):
     Hparams = L2GDHparams
     description = ("L2GD: local steps and averaging steps by a shared coin on the mixture objective "
                    "(Hanzely & Richtárik 2020); personal models x̄ + (1−γ)^A (x_i − x̄)")
+    server_memory_note = "every client's latest x_i under client sampling (m·p values)"
+
+    @classmethod
+    def server_bytes(cls, m: int, size: ModelSize, cfg) -> int:
+        return 0 if samples_everyone(m, cfg) else size.itemsize * members_of(m, cfg) * size.params  # x
 
     def configure(self) -> None:
         self.init: Params = self.ctx.init_params()

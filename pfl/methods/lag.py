@@ -30,7 +30,7 @@ from ..federation.messages import Message, Model, Scalars
 from ..schema import hp
 from ..training import Params
 from . import register
-from .base import ClientHandle
+from .base import ClientHandle, ModelSize, members_of
 from .compressed import generators, uplink_compressor
 from .fedavg import FedAvg, FedAvgHparams
 
@@ -65,6 +65,11 @@ class LAG(FedAvg):
     compresses_uplink = "any"
     exact_downlink = ("a client skips by comparing its update with Δ̂_i, the last update the server stored, "
                       "so both must compute updates from the same model")
+    server_memory_note = "every client's last update Δ̂_i (m·p values)"
+
+    @classmethod
+    def server_bytes(cls, m: int, size: ModelSize, cfg) -> int:
+        return size.itemsize * members_of(m, cfg) * size.params  # ``last``, once every client uploaded
 
     def configure(self) -> None:
         super().configure()

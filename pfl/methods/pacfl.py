@@ -57,7 +57,7 @@ from ..federation.messages import Message, State
 from ..schema import hp
 from ..training import Params
 from . import register
-from .base import ClientHandle, Method
+from .base import ClientHandle, Method, ModelSize, members_of
 
 
 @dataclass
@@ -133,6 +133,14 @@ class PACFL(Method):
     Hparams = PACFLHparams
     description = "One-shot clustering by principal angles of data subspaces, then FedAvg per cluster"
     metric_names = ("cluster/num", "cluster/ari", "pacfl/clients_with_basis")
+    server_memory_note = "a proximity matrix (m² floats) and every client's data basis (features × n_basis per label)"
+
+    @classmethod
+    def server_bytes(cls, m: int, size: ModelSize, cfg) -> int:
+        """The (m, m) float32 angles and, per training client, a float32 basis of at most
+        min(n_basis, features) columns per label (one group for regression)."""
+        cols = min(cfg.method.hparams.n_basis, size.features) * max(size.classes, 1)
+        return 4 * m * m + 4 * members_of(m, cfg) * size.features * cols
 
     def configure(self) -> None:
         self.init: Params = self.ctx.init_params()  # regenerated from the run seed by every party

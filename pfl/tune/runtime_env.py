@@ -24,6 +24,13 @@ workers read it at its path (a shared disk), which is said in a log line and in 
 notes. ``py_modules`` takes a folder or a single ``.py`` file; ``excludes`` (gitignore syntax)
 drops byte code; ``.gitignore`` files inside a staged folder apply as usual.
 
+Ray warns, when it zips a package (``ray._private.runtime_env.packaging``), about every file of
+10 MiB or more ("Consider adding this file to the 'excludes' list") and about a package of 256 MiB
+or more zipped ("approaching the maximum upload size"). pfl stages only what its runs read, so
+about its own packages that advice is wrong: those two warnings are dropped for files under pfl's
+staging folders (:class:`QuietAboutShipped`; Ray's warnings about anything else stay), and a data
+set of 10 MiB or more that is shipped is said in one note instead.
+
 Also used by the team setup (a Ray cluster + MLflow server): pass ``extra_modules`` for code the
 nodes lack.
 """
@@ -51,6 +58,12 @@ log = logging.getLogger(__name__)
 #: Ray refuses packages of 512 MiB (zipped); data above this stays where it is
 SHIP_LIMIT = 400 * 2**20
 EXCLUDES = ["__pycache__", "*.pyc"]
+#: Ray 2.60 warns about each file of this size in a package it zips (packaging.FILE_SIZE_WARNING)
+RAY_FILE_WARNING = 10 * 2**20
+#: the warnings Ray gives about a package's size, which are wrong about what pfl ships on purpose
+RAY_SIZE_ADVICE = ("Consider adding this file to the 'excludes' list", "approaching the maximum upload size")
+#: the loggers Ray gives them on: the driver's (ray.init), the packaging default, Ray Client's
+RAY_LOGGERS = ("ray._private.worker", "ray._private.runtime_env.packaging", "ray.util.client.worker")
 
 
 # ---- what a config reads ----------------------------------------------------------------------
@@ -159,10 +172,25 @@ def _stage(kind: str, paths: Iterable[str], root: Path) -> tuple[str, dict[str, 
     return str(folder), mapping
 
 
+class QuietAboutShipped(logging.Filter):
+    """Drops Ray's size advice (:data:`RAY_SIZE_ADVICE`) about files in pfl's staging folders."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return not (any(a in text for a in RAY_SIZE_ADVICE) and any(t.name in text for t in _STAGING))
+
+
+def _quiet_ray_about_shipped() -> None:
+    for name in RAY_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, QuietAboutShipped) for f in logger.filters):
+            logger.addFilter(QuietAboutShipped())
+
+
 @dataclass
 class ShippedEnv:
     runtime_env: dict[str, Any]
-    notes: list[str]   # what was not shipped and why
+    notes: list[str]   # what was not shipped and why; a data set of 10 MiB or more that is shipped
 
 
 def worker_runtime_env(cfgs: Iterable, *, ship_data: bool = True, extra_modules: Iterable[str] = (),
@@ -187,8 +215,14 @@ def worker_runtime_env(cfgs: Iterable, *, ship_data: bool = True, extra_modules:
             notes.append(f"{keys} ({total / 2**20:.0f} MiB) is more than Ray ships through runtime_env "
                          f"({limit / 2**20:.0f} MiB here, 512 MiB zipped at most): every node must read it "
                          "at the same path (a shared disk)")
+            log.warning("%s", notes[-1])
         else:
             data = needs.data
+            if total >= RAY_FILE_WARNING:
+                keys = ", ".join(sorted(set(data.values())))
+                notes.append(f"{keys} ({total / 2**20:.0f} MiB) goes to every Ray node with the sweep, on purpose: "
+                             "zipped and uploaded once per content, unpacked on each node")
+                log.info("%s", notes[-1])
     mapping: dict[str, str] = {}
     if needs.code or data:
         tmp = tempfile.TemporaryDirectory(prefix="pfl-ship-")
@@ -203,13 +237,12 @@ def worker_runtime_env(cfgs: Iterable, *, ship_data: bool = True, extra_modules:
             folder, entries = _stage(kind, paths, Path(tmp.name))
             modules.append(folder)
             mapping.update(entries)
+        _quiet_ray_about_shipped()
         vars_[SHIPPED_ENV] = json.dumps(mapping, sort_keys=True)
     env: dict[str, Any] = {"env_vars": vars_}
     if modules:
         env["py_modules"] = modules
         env["excludes"] = list(EXCLUDES)
-    for note in notes:
-        log.warning("%s", note)
     return ShippedEnv(env, notes)
 
 
@@ -219,5 +252,5 @@ def _cleanup() -> None:
         tmp.cleanup()
 
 
-__all__ = ["ORIGIN_ENV", "SHIPPED_ENV", "SHIP_LIMIT", "ShippedEnv", "WorkerNeeds", "absolute_path", "needs_of",
-           "shipped_path", "worker_runtime_env"]
+__all__ = ["ORIGIN_ENV", "QuietAboutShipped", "SHIPPED_ENV", "SHIP_LIMIT", "ShippedEnv", "WorkerNeeds",
+           "absolute_path", "needs_of", "shipped_path", "worker_runtime_env"]

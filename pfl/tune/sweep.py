@@ -1,7 +1,8 @@
 """Driver of a sweep: Ray + Tune + Optuna + ASHA, an MLflow parent run, a results table.
 
-``run_sweep`` validates the space, the data and the MLflow store (before Ray starts), creates the
-MLflow parent run, runs the trials (each a child run named by what it tries), and logs on the
+``run_sweep`` validates the space, the data, the method's server memory (:mod:`pfl.server_memory`)
+and the MLflow store (before Ray starts), creates the MLflow parent run, runs the trials (each a
+child run named by what it tries), and logs on the
 parent the trial table (CSV, HTML, Parquet), a plot of every trial's curve and, for a complete
 sweep, the best config and its metrics. A sweep's Ray experiment lives in ``<storage>/<name>``;
 ``resume=True`` restores it with ``Tuner.restore`` so finished trials are kept and unfinished ones
@@ -34,6 +35,7 @@ from ..data import load_federated
 from ..models import check_model_on
 from ..resolver import resolve
 from ..schema import ConfigError, flatten
+from ..server_memory import check_server_memory, config_model_size
 from ..tracking import Tracker, check_store, export_environment, tracking_uri
 from ..tracking_store import TrackingStoreError, store_lost
 from .progress import ProgressLines, trial_label
@@ -120,6 +122,10 @@ def run_sweep(space: SearchSpace, *, overrides: list[str] | None = None, smoke: 
         check_store()
     data = load_federated(base_cfg.data, base_cfg.seed)  # unreadable data fails here; the partition is cached
     check_model_on(base_cfg, data)  # your model's buffers, output shape and head, on one batch
+    # a method's population-bound server state (FPFC's pairs) must fit a trial; its device is not
+    # touched here (here=False: a CUDA device's total, no context in the driver)
+    check_server_memory(base_cfg, len(data.clients), config_model_size(base_cfg, data.input_shape, data.num_classes),
+                        here=False)
     del data
     on_cluster = bool(address or os.environ.get("RAY_ADDRESS"))
     shipped = worker_runtime_env([base_cfg], ship_data=on_cluster)  # plugin files, model files, data sets
