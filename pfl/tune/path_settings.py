@@ -58,7 +58,7 @@ class PathSettings:
     extension: str = hp("geometric", "how the path goes past the grid: 'geometric' (× the ratio of the grid's last "
                                      "two λ, never reaching 0) or 'step' (+ their difference)",
                         choices=("geometric", "step"))
-    finalists: int = hp(3, "best path stages (by validation) compared in the playoff at equal lineage rounds; "
+    finalists: int = hp(2, "best path stages (by validation) compared in the playoff at equal lineage rounds; "
                            "1: no playoff, the best stage is continued", low=1)
     playoff_rounds: int = hp(50, "rounds the latest finalist is continued in the playoff; the others are "
                                  "continued to the same lineage total", low=0)
