@@ -9,9 +9,10 @@ is written to a temporary file; then it is sealed with its length and CRC-32, it
 file and the folders are synced and the file renamed into place (:mod:`.durable`): a killed run
 never leaves half a file, and a host crash none whose rename landed before its data. Sealing and
 syncing take as long as the write itself (the CRC reads the file back; the device is slower than
-the page cache), so a periodic checkpoint may do that part in the background (``background=True``, as orbax's and torch's asynchronous checkpoints do): training
-goes on, the next checkpoint of the same path first waits for it (:func:`wait_checkpoint`), and
-until the rename the previous checkpoint stands. It is read only if its checksum matches, with
+the page cache), so a periodic checkpoint may do that part in the background (``background=True``,
+as orbax's and torch's asynchronous checkpoints do): training goes on, the next checkpoint of the
+same path first waits for it (:func:`wait_checkpoint`), and until the rename the previous
+checkpoint stands. It is read only if its checksum matches, with
 ``torch.load(weights_only=True)``: anything but tensors and plain containers is refused. A
 checkpoint that cannot be used — missing, empty, truncated, damaged, another version's, another
 run's — is one :class:`CheckpointError` naming the file and what is wrong with it.
@@ -103,8 +104,8 @@ def load_run_state(sim, state: dict, directory: Path) -> dict:
     """Continue ``sim`` from ``state`` (:func:`run_state`), if it belongs to this run's config;
     returns its ``extra`` part (the disk snapshots in it made restorable by ``sim``'s store)."""
     if state.get("format") != CHECKPOINT_FORMAT:
-        raise CheckpointError("--checkpoint", _other_version(directory.with_name(directory.name.removesuffix(".clients")),
-                                                             state.get("format")))
+        checkpoint = directory.with_name(directory.name.removesuffix(".clients"))   # clients_dir's inverse
+        raise CheckpointError("--checkpoint", _other_version(checkpoint, state.get("format")))
     differ = config_differences(state["config"], sim.start_config)
     if differ:
         listed = "; ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, a, b in ((k, *v) for k, v in differ.items()))

@@ -22,9 +22,9 @@ little-endian), the header, padding to the next boundary, the blob. The checksum
 every read and, for a checkpoint's segments, for every record when the checkpoint is loaded
 (:func:`check_segment`): a flipped bit is an error naming the file and the client, never a state
 trained on. (CRC-32 from zlib: 6.7 GB/s here, against 1.4 GB/s for BLAKE2b; it is meant to catch
-damage, not tampering — records are plain data anyway.) Where a record sits is its *span* — (offset, header length, blob length) —
-which the store keeps in memory, so reading a record is one ``preadv`` into two buffers (header and
-blob) with no index to parse. A segment is built in memory (:class:`SegmentBuffer`: saved states
+damage, not tampering — records are plain data anyway.) Where a record sits is its *span* —
+(offset, header length, blob length) — which the store keeps in memory, so reading a record is one
+``preadv`` into two buffers (header and blob) with no index to parse. A segment is built in memory (:class:`SegmentBuffer`: saved states
 are packed straight into it, in their on-disk layout, so a save allocates nothing and a flush is
 one write), written to a temporary name and renamed, and never changed afterwards.
 """
@@ -357,5 +357,5 @@ def prune_checkpoint_dir(directory: Path, keep: set[str]) -> None:
         directory.rmdir()
 
 
-__all__ = ["ALIGN", "Layout", "RECORD_MAGIC", "Record", "SUFFIX", "SegmentBuffer", "check_segment", "checksum", "layout",
-           "link_or_copy", "pack", "prune_checkpoint_dir", "read_header", "read_record", "unpack"]
+__all__ = ["ALIGN", "Layout", "RECORD_MAGIC", "Record", "SUFFIX", "SegmentBuffer", "check_segment", "checksum",
+           "layout", "link_or_copy", "pack", "prune_checkpoint_dir", "read_header", "read_record", "unpack"]

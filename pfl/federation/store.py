@@ -330,5 +330,6 @@ def plan_store(fed, num_clients: int, members: int, state_bytes: int, data_bytes
     return StorePlan("disk", budget, budget - k * float(state_bytes) - flush, flush, k, round_bytes)
 
 
-__all__ = ["ClientMemory", "ClientStore", "DamagedFileError", "GiB", "LocalMemory", "MemoryStore", "StoreError", "StorePlan", "choose_state_device",
+__all__ = ["ClientMemory", "ClientStore", "DamagedFileError", "GiB", "LocalMemory", "MemoryStore", "StoreError",
+           "StorePlan", "choose_state_device",
            "default_budget", "memory_part", "memory_store", "plan_store", "release_heap", "state_estimate"]
