@@ -55,7 +55,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     print(f"  communication            up {format_bytes(final.get('comm/up_bytes', 0))}, "
           f"down {format_bytes(final.get('comm/down_bytes', 0))}, "
           f"total {int(final.get('comm/total_bytes', 0))} bytes")
-    print(f"  time                     {final.get('time/elapsed_s', 0):.1f} s")
+    # the rounds' training (time/elapsed_s, evaluations not included) and loading the data
+    rounds, data = final.get("time/elapsed_s", 0.0), final.get("time/data_load_s", 0.0)
+    how = getattr(summary.extra.get("simulator"), "data_note", "")
+    print(f"  time                     {rounds + data:.1f} s (data {data:.1f} s{': ' + how if how else ''}; "
+          f"training {rounds:.1f} s)")
     if summary.run_id:
         print("  " + run_hint(summary.run_id, what="MLflow run"))
     return 0 if summary.status == "FINISHED" else 3

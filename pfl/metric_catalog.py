@@ -14,7 +14,8 @@ from .data import source_spec
 from .federation.comm import CommLedger
 from .methods import get_method
 
-RUN_METRICS = ("train/loss", "lr", "time/round_s", "time/elapsed_s")
+#: time/data_load_s: loading the data (a file's parse or the cache's read included), once per process
+RUN_METRICS = ("train/loss", "lr", "time/round_s", "time/elapsed_s", "time/data_load_s")
 EVAL_METRICS = {
     "classification": ("val/loss_mean", "test/loss_mean", "val/acc_mean", "val/acc_se", "test/acc_mean", "test/acc_std",
                        "test/acc_p10", "test/acc_worst", "test/acc_weighted", "global/test_acc",

@@ -80,6 +80,7 @@ def run_experiment(cfg: ExperimentConfig, *, progress: Callable[[str], None] | N
     for row in sim.history:
         final.update(row)
     final.update(loop.summary)
+    final["time/data_load_s"] = sim.data_load_s
     return RunSummary(final=final, history=sim.history, run_id=logger.run_id, status=result.status,
                       reason=result.reason, extra={"simulator": sim})
 

@@ -105,6 +105,8 @@ class MLflowLogger(Callback):
         # a reopened run holds the rounds logged before the interruption; a restart recomputes them
         # identically (from its checkpoint, or from scratch when it had none), so they are skipped
         self.logged_until = self.tracker.last_step("time/elapsed_s") if self.tracker.resumed else 0
+        if hasattr(sim, "data_load_s"):  # this process's loading of the data, before its first round
+            self.tracker.log_metrics({"time/data_load_s": sim.data_load_s}, step=sim.executed)
         if self.announce:
             self.announce(f"MLflow run {self.run_id} ({sim.cfg.method.name} on {sim.cfg.data.source}, "
                           f"{sim.num_clients} clients, {sim.cfg.federation.rounds} rounds)")

@@ -77,6 +77,8 @@ class FederatedData:
     partition_hash: str               # the cache key
     partition_kind: str = ""
     client_ids: list[str] | None = None  # a natural partition's own id of each client (file sources)
+    load_s: float = 0.0               # seconds loading took (a file read by the config's check included)
+    load_note: str = ""               # how the file was read (LEAF, CSV: parsed into the cache, or read from it)
 
     @property
     def num_clients(self) -> int:
@@ -431,9 +433,11 @@ def load_federated(cfg: DataConfig, seed: int, device: str | torch.device = "cpu
             save_partition(path, part, len(src.y), cfg, seed)
         except OSError as err:  # a read-only cache directory must not stop the run
             log.warning("could not write partition cache %s: %s", path, err)
+    earlier = src.read_s if src.read_done < start else 0.0  # read by the config's check, before this call
     data = FederatedData(clients=clients, num_classes=src.num_classes, input_shape=tuple(src.input_shape),
                          task=src.task, source=cfg.source, true_clusters=part.clusters, partition_hash=key,
-                         partition_kind=cfg.partition.kind, client_ids=src.client_ids if natural else None)
+                         partition_kind=cfg.partition.kind, client_ids=src.client_ids if natural else None,
+                         load_s=time.perf_counter() - start + earlier, load_note=src.origin)
     log.info("data %s/%s: %d clients, %d training samples (%.2fs)", cfg.source, cfg.partition.kind,
-             len(clients), sum(data.client_sizes()), time.perf_counter() - start)
+             len(clients), sum(data.client_sizes()), data.load_s)
     return data

@@ -7,6 +7,10 @@ Real LEAF dumps hold writers with no samples (``"x": []``) and writers present i
 in ``Table.empty_clients``, and each writer's files in ``Table.client_files``, so that the files
 source can leave them out with a count, or refuse them by name (``data.params.drop_incomplete_clients``).
 Messages name a sample by its file, writer and place in the writer's list (:class:`~.tables.Where`).
+
+A folder is parsed once, a file at a time, into Parquet in pfl's cache (:mod:`.converted`), every
+check made then (a bad file fails on its first load and is never cached); later loads read that
+file. Rows are in file order: ``train/`` then ``test/``, each file's users in its own order.
 """
 
 from __future__ import annotations
@@ -18,8 +22,9 @@ import numpy as np
 import pyarrow as pa
 
 from ..schema import ConfigError
+from .converted import Sink, converted
 from .readers import Table
-from .tables import PATH_KEY, FeaturePlan, Where, sorted_ids
+from .tables import PATH_KEY, FeaturePlan, Where, check_finite, sorted_ids
 
 
 def _leaf_files(path: Path) -> dict[str, list[Path]]:
@@ -41,11 +46,23 @@ def _blob(f: Path) -> dict:
 
 
 def read_leaf(path: Path, params) -> Table:
-    """LEAF's users and samples; with train/ and test/ folders, ``test`` marks LEAF's test rows."""
-    # per user: its pieces (file name, split, x, y) in file order, and every file that lists it
-    users: dict[str, dict[str, list]] = {}
+    """LEAF's users and samples, parsed once into the cache (:mod:`.converted`) and read from there;
+    with train/ and test/ folders, ``test`` marks LEAF's test rows."""
     files = _leaf_files(path)
-    shape, first = None, None
+    sources = [f for paths in files.values() for f in paths]
+    return converted("leaf", path, sources, path if path.is_dir() else None, {},
+                     lambda sink: _convert(path, files, sink))
+
+
+def _convert(path: Path, files: dict[str, list[Path]], sink: Sink) -> dict:
+    """Every file's users into ``sink``, a file at a time, in file order (a user's samples in the
+    order of its files); returns the table's metadata: its pieces (where each file's user starts,
+    for messages), the users without samples and each user's files."""
+    user_files: dict[str, list[str]] = {}  # every user, and every file that lists it
+    with_samples: set[str] = set()
+    starts, pieces, kinds = [], [], set()
+    shape, first, rows = None, None, 0
+    fixed = "test" in files
     for split, paths in files.items():
         for f in paths:
             name = str(f.relative_to(path)) if path.is_dir() else f.name
@@ -56,8 +73,7 @@ def read_leaf(path: Path, params) -> Table:
                     raise ConfigError(PATH_KEY, f"{f}: user {user!r} has no x/y in user_data")
                 if len(data["x"]) != len(data["y"]):
                     raise ConfigError(PATH_KEY, f"{f}: user {user!r} has {len(data['x'])} x and {len(data['y'])} y")
-                entry = users.setdefault(str(user), {"pieces": [], "files": []})
-                entry["files"].append(name)
+                user_files.setdefault(str(user), []).append(name)
                 if not data["y"]:  # a writer without samples in this file: known, but nothing to read
                     continue
                 x = _leaf_x(data["x"], f, user)  # converted per file: never the whole data set as Python floats
@@ -66,29 +82,43 @@ def read_leaf(path: Path, params) -> Table:
                 elif x.shape[1:] != shape:
                     raise ConfigError(PATH_KEY, f"{f}: user {user!r} has samples of shape {list(x.shape[1:])}, "
                                                 f"user {first[1]!r} in {first[0]} {list(shape)} (ragged rows)")
-                entry["pieces"].append((name, split, x, data["y"]))
+                piece = f"{name} user {user!r} sample"
+                check_finite(x.reshape(len(x), -1), 0, FeaturePlan("list", ("x",), tuple(shape)),
+                             Where.of(str(path), parts=(np.zeros(1, dtype=np.int64), [piece])))
+                y = _leaf_y(data["y"], path, piece)
+                kinds.add(y.type)
+                columns = {"label": y.cast(pa.float64()), "client": pa.array([str(user)] * len(x))}
+                if fixed:
+                    columns["test"] = pa.array(np.full(len(x), split == "test"))
+                sink.add(columns, x)
+                with_samples.add(str(user))
+                starts.append(rows)
+                pieces.append(piece)
+                rows += len(x)
             del blob
-    if not users:
+    if not user_files:
         raise ConfigError(PATH_KEY, f"{path} holds no LEAF users (looked for *.json, train/*.json, test/*.json)")
     if shape is None:
-        raise ConfigError(PATH_KEY, f"{path}: none of its {len(users):,} LEAF users has a sample")
-    every = sorted_ids(list(users))
-    names = [u for u in every if users[u]["pieces"]]
-    pieces = [(u, piece) for u in names for piece in users[u]["pieces"]]
-    x = np.concatenate([p[2] for _, p in pieces])
-    sizes = [len(p[3]) for _, p in pieces]
+        raise ConfigError(PATH_KEY, f"{path}: none of its {len(user_files):,} LEAF users has a sample")
+    every = sorted_ids(list(user_files))
+    label_type = "double" if any(pa.types.is_floating(k) for k in kinds) else \
+        "bool" if kinds and all(pa.types.is_boolean(k) for k in kinds) else "int64"
+    return {"shape": list(shape), "plan": ["list", ["x"]], "label_type": label_type, "parts": [starts, pieces],
+            "empty_clients": [u for u in every if u not in with_samples],
+            "client_files": {u: user_files[u] for u in every}}
+
+
+def _leaf_y(values: list, path: Path, piece: str) -> pa.Array:
     try:
-        labels = pa.array([v for _, p in pieces for v in p[3]])
+        y = pa.array(values)
     except (pa.ArrowException, TypeError) as err:
         raise ConfigError("data.params.label_column", f"{path}: LEAF y values are not numbers ({err})") from None
-    test = np.repeat([p[1] == "test" for _, p in pieces], sizes).astype(bool) if "test" in files else None
-    counts = [sum(len(p[3]) for p in users[u]["pieces"]) for u in names]
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-    where = Where.of(str(path), parts=(starts, [f"{p[0]} user {u!r} sample" for u, p in pieces]))
-    return Table(where, len(x), labels, pa.array(np.repeat(np.arange(len(names)), counts)), None,
-                 FeaturePlan("list", ("x",), tuple(shape)), tuple(shape), x=x, test=test, client_names=names,
-                 empty_clients=[u for u in every if not users[u]["pieces"]],
-                 client_files={u: users[u]["files"] for u in every})
+    if not (pa.types.is_integer(y.type) or pa.types.is_floating(y.type) or pa.types.is_boolean(y.type)
+            or pa.types.is_null(y.type)):
+        raise ConfigError("data.params.label_column", f"{path}: LEAF y values of {piece}s hold {y.type}, not "
+                                                      "numbers; classification needs integer class ids 0..C-1 "
+                                                      "(map the names to ids first)")
+    return y
 
 
 def _leaf_x(values: list, f: Path, user: str) -> np.ndarray:

@@ -4,10 +4,11 @@
   (named by ``client_column`` / ``cluster_column``);
 * Parquet and CSV: a label column, features (see :mod:`.tables`), optional client and cluster
   columns. Parquet is read column-projected: the label/client/cluster columns first (which is all
-  a partition needs), the features later, row group by row group (:meth:`Table.read_rows`);
+  a partition needs), the features later, row group by row group (:meth:`Table.read_rows`). A CSV
+  file is parsed here (:func:`parse_csv`) once, into Parquet in the cache (:mod:`.converted`);
 * a folder of per-client ``<client id>.npz`` / ``.parquet`` files (the file is the client; an
   empty file is a client without samples, ``Table.empty_clients``);
-* LEAF's JSON: :mod:`.leaf`.
+* LEAF's JSON: :mod:`.leaf` (also converted once, :mod:`.converted`).
 
 When the client column is not there, the readers can say which columns look like client ids
 (``Table.client_hint``), and say it instead of an error that would blame a feature column.
@@ -30,8 +31,15 @@ from ..schema import ConfigError
 from .tables import (PATH_KEY, FeaturePlan, Where, candidate_columns, check_finite, features_of,
                      missing_client_column, plan_features, require_column, row_at, sorted_ids)
 
-#: rows per chunk when features are read lazily (a few tens of MB of features per chunk)
+#: rows per chunk when features are read lazily: at most CHUNK_ROWS, about CHUNK_BYTES of features
+#: (a chunk is held twice or more while it is decoded: 65,536 rows of 784 floats held 5x the features)
 CHUNK_ROWS = 65536
+CHUNK_BYTES = 8 * 2**20
+
+
+def chunk_rows(row_bytes: int) -> int:
+    """Rows per chunk for rows of ``row_bytes`` bytes of features."""
+    return int(max(1, min(CHUNK_ROWS, CHUNK_BYTES // max(1, row_bytes))))
 
 
 @dataclass
@@ -55,6 +63,7 @@ class Table:
     client_files: dict[str, list[str]] | None = None  # folders, LEAF: the files that name each client
     # without a client column: the error naming the columns that look like client ids (None: none do)
     client_hint: Callable[[], ConfigError | None] | None = None
+    origin: str = ""  # how it was read, for the run's summary (LEAF, CSV: parsed into the cache / read from it)
 
     def iter_features(self, need: Callable[[int, int], bool] | None = None) -> Iterator[tuple[int, np.ndarray]]:
         """(first row, features) chunk by chunk; with ``need``, chunks it declines may be skipped."""
@@ -208,11 +217,12 @@ def table_from_arrow(table: pa.Table, params, where: str, with_x: bool = True) -
     first = features_of(table.slice(0, min(n, 1)), plan, 0, where)
     shape = _first_shape(first)
     col = lambda name: table.column(name).combine_chunks() if name in table.column_names else None  # noqa: E731
+    step = chunk_rows(first.itemsize * int(np.prod(shape)))
 
     def chunks(need=None) -> Iterator[tuple[int, np.ndarray]]:
-        for start in range(0, n, CHUNK_ROWS):
-            if need is None or need(start, min(CHUNK_ROWS, n - start)):
-                yield start, features_of(table.slice(start, CHUNK_ROWS), plan, start, where, shape)
+        for start in range(0, n, step):
+            if need is None or need(start, min(step, n - start)):
+                yield start, features_of(table.slice(start, step), plan, start, where, shape)
 
     return Table(where, n, col(params.label_column), col(params.client_column), col(params.cluster_column),
                  FeaturePlan(plan.kind, plan.columns, shape), shape, chunks=chunks, dtype=first.dtype,
@@ -237,10 +247,11 @@ def read_parquet(path: Path, params) -> Table:
         first = np.zeros((0,) + (plan.sample_shape or (1,)), dtype=np.float32)
     shape = _first_shape(first)
     groups = [pf.metadata.row_group(i).num_rows for i in range(pf.num_row_groups)]
+    step = chunk_rows(first.itemsize * int(np.prod(shape)))
 
     def chunks(need=None) -> Iterator[tuple[int, np.ndarray]]:
-        # whole row groups, several at a time (Arrow decodes them in parallel), about CHUNK_ROWS
-        # rows; with ``need``, only the groups holding a wanted row
+        # whole row groups, several at a time (Arrow decodes them in parallel), up to ``step`` rows
+        # (about CHUNK_BYTES of features); with ``need``, only the groups holding a wanted row
         firsts = np.concatenate([[0], np.cumsum(groups)]).astype(np.int64)
         wanted = [need is None or need(int(firsts[g]), groups[g]) for g in range(len(groups))]
         with pq.ParquetFile(path) as reader:
@@ -252,7 +263,7 @@ def read_parquet(path: Path, params) -> Table:
                 take = [i]
                 rows = groups[i]
                 while (i + len(take) < len(groups) and wanted[i + len(take)]
-                       and rows + groups[i + len(take)] <= CHUNK_ROWS):
+                       and rows + groups[i + len(take)] <= step):
                     rows += groups[i + len(take)]
                     take.append(i + len(take))
                 part = reader.read_row_groups(take, columns=list(plan.columns), use_threads=True)
@@ -269,7 +280,9 @@ def read_parquet(path: Path, params) -> Table:
 _NUMBER = r"^\s*[-+]?(\d+\.?\d*([eE][-+]?\d+)?|\.\d+([eE][-+]?\d+)?|nan|inf|infinity)\s*$"
 
 
-def read_csv(path: Path, params) -> Table:
+def parse_csv(path: Path, params) -> tuple[pa.Table, Table]:
+    """The CSV file as Arrow parsed it (held in memory) and its :class:`Table`, whose features
+    :func:`~.tables.features_of` makes from it; :func:`pfl.data.converted.read_csv` caches it."""
     import pyarrow.csv as pcsv
 
     # only an empty cell is missing: Arrow's default also reads 'NaN' and 'NA' as missing, which
@@ -283,7 +296,7 @@ def read_csv(path: Path, params) -> Table:
         raise ConfigError(PATH_KEY, f"{path}: not a readable CSV file: {text}{hint}") from None
     where = Where.of(str(path), first_line=2)  # row 0 is the line after the header
     _refuse_text_in_numbers(table, params, where)
-    return table_from_arrow(table, params, where)
+    return table, table_from_arrow(table, params, where)
 
 
 def _refuse_text_in_numbers(table: pa.Table, params, where: Where) -> None:
@@ -356,4 +369,5 @@ def read_client_folder(folder: Path, files: list[Path], params) -> Table:
                  client_files={f.stem: [f.name] for f in files})
 
 
-__all__ = ["CHUNK_ROWS", "Table", "read_client_folder", "read_csv", "read_npz", "read_parquet", "table_from_arrow"]
+__all__ = ["CHUNK_BYTES", "CHUNK_ROWS", "Table", "chunk_rows", "parse_csv", "read_client_folder", "read_npz",
+           "read_parquet", "table_from_arrow"]

@@ -48,6 +48,11 @@ class SourceData:
     # per-client sources: the source's own split of its devices (devices, test_fraction, val_fraction,
     # rng) -> (train, val, test) lists, instead of a stratified split per device (pfl.data.crowd)
     split: Callable[..., tuple[list, list, list]] | None = None
+    # file sources: seconds reading the file took, when it ended (perf_counter; the config's check may
+    # have read it before the load), and how (LEAF, CSV: parsed into the cache, or read from it)
+    read_s: float = 0.0
+    read_done: float = 0.0
+    origin: str = ""
 
     def rows(self, idx: np.ndarray) -> np.ndarray:
         """Featurized samples ``idx`` (distinct), float32 of ``input_shape``."""

@@ -78,7 +78,13 @@ class Simulator:
         self.device = resolve_device(fed.device)
         # data built when a client is first asked for; all of it at once below if the store keeps
         # everything in memory (federation.client_store)
-        self.data = (data if data is not None else load_federated(cfg.data, cfg.seed, on_demand=True)).to(self.device)
+        loaded = data if data is not None else load_federated(cfg.data, cfg.seed, on_demand=True)
+        start = time.perf_counter()
+        self.data = loaded.to(self.device)
+        # loading the data (time/data_load_s): the file's reading, also when the config's check did it
+        # (LEAF, CSV: parsing into the cache, or reading from it), the partition, moving it, building it
+        self.data_load_s = getattr(loaded, "load_s", 0.0) + time.perf_counter() - start
+        self.data_note: str = getattr(loaded, "load_note", "")
         torch.manual_seed(cfg.seed)  # only model construction; all later draws use derived generators
         model = build_model(cfg.model.name, cfg.model.params, self.data.input_shape,
                             self.data.num_classes).to(self.device)
@@ -123,7 +129,9 @@ class Simulator:
         self.plan = plan_store(fed, self.num_clients, self.ctx.num_members, state_estimate(first, model),
                                self.data.client_nbytes())
         if self.plan.kind == "memory":
+            start = time.perf_counter()
             self.data = self.data.materialized()  # every client's data, built once
+            self.data_load_s += time.perf_counter() - start
             return memory_store(self.num_clients, self._new_client_state, fed.client_state_device, self.device,
                                 model, first)
         self.data.keep_at_most(self.plan.data_capacity)
