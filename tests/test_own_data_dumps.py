@@ -95,7 +95,7 @@ def test_leaf_refusals_name_the_writers_and_their_hints_work(tmp_path, capsys):
     code, _, err = pfl_run(capsys, f"data.params.path={root}", "data.num_clients=5", "data.val_fraction=0")
     assert code == 2 and err == [
         f"config error: data.num_clients: {root} has 4 clients (3 left out: 1 with no samples, 1 with samples in "
-        "test/ only, 1 with samples in train/ only); allowed range [1, 4]"]
+        "test/ only, 1 with samples in train/ only); allowed range [1, 4], or all"]
 
 
 def test_an_empty_client_file_is_a_client_without_samples(tmp_path, capsys):

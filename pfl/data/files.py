@@ -305,7 +305,7 @@ def check_inspected(info: Inspected, p, cfg) -> None:
         raise ConfigError(PATH_KEY, f"{info.table.where} has no client a natural partition can use{left}")
     if cfg.num_clients > len(kept):
         raise ConfigError("data.num_clients", f"{info.table.where} has {len(kept)} clients{left}; allowed range "
-                                              f"[1, {len(kept)}]")
+                                              f"[1, {len(kept)}], or all")
     fixed = info.n_test is not None
     need, what = _need(cfg, fixed)
     n_train = info.n_train()
