@@ -44,7 +44,8 @@ def _alive(pid: int, start: str) -> bool:
         return False
     except PermissionError:
         pass   # someone else's process: alive
-    return not start or not _start_time(pid) or _start_time(pid) == start
+    now = _start_time(pid)
+    return not start or not now or now == start
 
 
 def claim(root: Path) -> None:
