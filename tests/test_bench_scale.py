@@ -42,9 +42,6 @@ def test_bench_scale_measures_both_stores_and_a_long_run(tmp_path):
                  if line.startswith("| ditto | ") and line.count("|") == 9]
     stored = [int(row[5].replace(",", "")) for row in long_rows]
     assert len(stored) == 4 and stored == sorted(stored) and 0 < stored[0] <= 100   # the store fills
-    reference = float(rows[("ditto", "300", "memory")][4])
-    for row in long_rows:   # x 1k: the block's s/round over the first table's smallest population's
-        assert float(row[3]) == pytest.approx(float(row[2]) / reference, abs=0.02)
     assert "not run: θ and v need" in proc.stdout                          # FPFC's limit, said
 
     import mlflow
@@ -62,5 +59,12 @@ def test_bench_scale_measures_both_stores_and_a_long_run(tmp_path):
         ref_runs = [float(x) for x in ref["round_s_runs"].iloc[0].split()]
         ratios = [a / b for a, b in zip(runs, ref_runs)]
         assert r["x_1k"] == pytest.approx(sum(ratios) / 2, rel=2e-3)   # two repeats: the median is the mean
-    steps = [m.step for m in client.get_metric_history(run.info.run_id, "ditto_long/round_s")]
-    assert steps == [1, 2, 3, 4]
+    history = client.get_metric_history(run.info.run_id, "ditto_long/round_s")
+    assert [m.step for m in history] == [1, 2, 3, 4]
+    # x 1k: the block's s/round over the first table's smallest population's, from the unrounded values
+    # (the printed s/round has 3 decimals, too few to re-derive a ratio of 20 ms rounds to 0.01)
+    reference = float(table[(table["method"] == "ditto") & (table["clients"] == 300)
+                            & (table["store_choice"] == "auto")]["round_s"].iloc[0])
+    for row, m in zip(long_rows, history):
+        assert float(row[2]) == pytest.approx(m.value, abs=5e-4)
+        assert float(row[3]) == pytest.approx(m.value / reference, abs=5e-3)
