@@ -1,4 +1,5 @@
-"""Command line: ``pfl run``, ``pfl methods``, ``pfl compressors``, ``pfl datasets`` (also ``python -m pfl``)."""
+"""Command line: ``pfl run``, ``pfl table``, ``pfl methods``, ``pfl compressors``, ``pfl datasets`` (also
+``python -m pfl``)."""
 
 from __future__ import annotations
 
@@ -168,6 +169,13 @@ def build_parser() -> argparse.ArgumentParser:
     datasets = sub.add_parser("datasets", help="list data sources and their parameters")
     datasets.add_argument("--plugin", action="append", metavar="FILE", help=plugin_help)
     datasets.set_defaults(func=_cmd_datasets)
+    from .tables.cli import add_arguments, run as run_table
+
+    table = sub.add_parser("table", help="run a comparison table (tables/*.yaml): every row × seed a Ray Tune trial",
+                           description="Run a comparison table: every row × seed is a Ray Tune trial on every core "
+                                       "here or every node of a cluster; the summary over seeds goes to MLflow.")
+    add_arguments(table)
+    table.set_defaults(func=lambda args: run_table(args, sys.argv[2:]))
     return parser
 
 

@@ -112,25 +112,30 @@ class TableRun:
 
     def finish(self, rows: list[dict], name: str, text: str | None = None,
                outdir: str | Path | None = None, runs: list[dict] | None = None) -> None:
-        """Log ``rows`` as ``<name>.csv``, ``text`` as ``<name>.md`` and, when given, every single
-        run of a comparison over seeds as ``<name>_runs.csv`` (pfl.seeds); end the parent run."""
+        """:func:`write_table` on the parent run, then end it."""
         with tempfile.TemporaryDirectory() as tmp:
-            out = Path(outdir) if outdir else Path(tmp)
-            out.mkdir(parents=True, exist_ok=True)
-            for table, suffix in ((rows, ""), (runs or [], "_runs")):
-                if not table:
-                    continue
-                fields = list(dict.fromkeys(k for row in table for k in row))
-                with (out / f"{name}{suffix}.csv").open("w", newline="") as fh:
-                    writer = csv.DictWriter(fh, fieldnames=fields)
-                    writer.writeheader()
-                    writer.writerows(table)
-                self.parent.log_artifact(out / f"{name}{suffix}.csv")
-            if text is not None:
-                (out / f"{name}.md").write_text(as_markdown(text) + "\n")  # rendered by MLflow
-                self.parent.log_artifact(out / f"{name}.md")
+            write_table(self.parent, rows, name, text, Path(outdir) if outdir else Path(tmp), runs)
         self.parent.end("FINISHED")
 
     @property
     def run_id(self) -> str | None:
         return self.parent.run_id
+
+
+def write_table(tracker: Tracker, rows: list[dict], name: str, text: str | None, out: Path,
+                runs: list[dict] | None = None) -> None:
+    """Log ``rows`` as ``<name>.csv``, ``text`` as ``<name>.md`` and, when given, every single run of
+    a comparison over seeds as ``<name>_runs.csv`` (pfl.seeds), written into ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    for table, suffix in ((rows, ""), (runs or [], "_runs")):
+        if not table:
+            continue
+        fields = list(dict.fromkeys(k for row in table for k in row))
+        with (out / f"{name}{suffix}.csv").open("w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=fields)
+            writer.writeheader()
+            writer.writerows(table)
+        tracker.log_artifact(out / f"{name}{suffix}.csv")
+    if text is not None:
+        (out / f"{name}.md").write_text(as_markdown(text) + "\n")  # rendered by MLflow
+        tracker.log_artifact(out / f"{name}.md")

@@ -192,7 +192,7 @@ def run_sweep(space: SearchSpace, *, overrides: list[str] | None = None, smoke: 
                 max_concurrent_trials=space.max_concurrent or None, trial_name_creator=label),
             run_config=run_config,
         )
-    grid, received, wall = _fit(tuner, previous_wall)
+    grid, received, wall = fit_tuner(tuner, previous_wall)
     state = json.loads(state_path.read_text())
     state_path.write_text(json.dumps({**state, "wall_s": wall}))
     table = (results_table(saved_trials(exp_path), searched, label, parent.run_id) if grid is not None
@@ -229,7 +229,7 @@ def _open_parent(space: SearchSpace, base_cfg, raw: dict, name: str, samples: in
     return parent
 
 
-def _fit(tuner, previous_wall: float) -> tuple[Any, list[int], float]:
+def fit_tuner(tuner, previous_wall: float) -> tuple[Any, list[int], float]:
     """Run the trials; SIGTERM stops them like Ctrl-C (Tune saves its state and ends the trials).
     Returns Tune's result grid (None when a second interrupt cut the saving short), the signals
     received, and the sweep's wall time so far."""
@@ -332,4 +332,4 @@ def _plain(value: Any) -> Any:
     return value.item() if hasattr(value, "item") else value
 
 
-__all__ = ["STATE_FILE", "SweepResult", "parse_resources", "run_sweep", "scheduler_for", "searcher_for"]
+__all__ = ["STATE_FILE", "SweepResult", "fit_tuner", "parse_resources", "run_sweep", "scheduler_for", "searcher_for"]

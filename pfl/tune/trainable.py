@@ -92,15 +92,17 @@ def existing_run(trial_id: str, parent_run_id: str | None) -> str | None:
     return runs[0].info.run_id if runs else None
 
 
-def run_trial(cfg, setup: dict[str, Any], steering: Sequence[Callback] = (), until: float | None = None) -> RoundLoop:
+def run_trial(cfg, setup: dict[str, Any], steering: Sequence[Callback] = (), until: float | None = None,
+              data=None) -> RoundLoop:
     """One Tune trial of ``cfg``: the loop with ``steering`` callbacks (a pipeline's schedule,
     before the loggers), MLflow and Tune reporting, restored from Tune's checkpoint if there is one.
-    A diverged run raises :class:`DivergedError` after its MLflow run is marked FAILED."""
+    ``data``: the federated data when the caller has it loaded. A diverged run raises
+    :class:`DivergedError` after its MLflow run is marked FAILED."""
     from ray import tune
 
     os.environ.update(setup.get("env", {}))
     torch.set_num_threads(cfg.federation.threads)
-    sim = simulator_for(cfg)(cfg)
+    sim = simulator_for(cfg)(cfg, data=data)
     logger = MLflowLogger(trial_run_opener(setup, cfg))
     reporter = TuneReporter(int(setup.get("checkpoint_every", 5)), run_id=lambda: logger.run_id)
     loop = RoundLoop(sim, [StopOnDivergence(), *steering, logger, reporter])
