@@ -95,6 +95,7 @@ FULLEST = {
     "fpfc": {}, "fpfc_l1": {}, "cfl": {"method.start_round": 100},
     "pacfl": {"method.n_basis": 2, "method.beta": 90.0},
     "lag": {}, "diana": {"method.shifts": "per_client"}, "fedslr": {"method.server": "algo2"},
+    "fedamp": {},
     # client sampling (the per-client models exist only then): 3 of 4 or 7 of 8, until all reported
     "fedsplit": {"federation.clients_per_round": -1, "rounds": 4},
     "l2gd": {"federation.clients_per_round": -1, "rounds": 4},
