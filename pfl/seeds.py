@@ -2,16 +2,14 @@
 
 A single run is one draw of the data partition, the initialisation and the client sampling, and
 one evaluation round is a further draw on a small test split: differences of a few points between
-two methods are often within that noise. Every comparison pipeline (``pipelines/*_table.py``,
-``compare_baselines.py``, ``robustness.py``, ``newcomers.py``) therefore goes through this module:
+two methods are often within that noise. Every comparison (the tables of :mod:`pfl.tables`, whose
+cells run as Ray Tune trials, and ``robustness.py``, ``newcomers.py``, ``compression_table.py``)
+therefore summarises its runs here:
 
-* :func:`run_rows` runs each :class:`Row` (a label and a ``seed → config`` function) for every seed
-  as a child of one :class:`~pfl.runner.TableRun`, all configs validated before the first run, the
-  data loaded once per (data config, seed) and shared by the rows; per run it records the metric's
-  last value (``final``), its mean over the last ``last`` evaluations (``last_mean``: one
-  evaluation round is noisy), the number of test samples behind it (``test_n``: the evaluated
-  clients' test splits) and what the row's own ``measure`` adds;
-* :func:`aggregate` turns those records (or records a pipeline made itself) into one row per
+* a run's record holds the metric's last value (``final``), its mean over the last ``last``
+  evaluations (``last_mean``: one evaluation round is noisy, :func:`last_mean`), the number of test
+  samples behind it (``test_n``: the evaluated clients' test splits) and the table's own columns;
+* :func:`aggregate` turns those records into one row per
   (group, row): mean ± std over the seeds (sample std, ddof = 1) of every numeric column, the paired
   difference to a reference row of its group (same seeds: same data and start) and the mark ``≈``
   when the two rows differ by less than their spread, |mean − mean_ref| < max(std, std_ref);
@@ -23,10 +21,7 @@ the last 3 evaluations.
 
 from __future__ import annotations
 
-import json
 import math
-import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import numpy as np
@@ -34,9 +29,7 @@ import numpy as np
 from .schema import ConfigError
 
 if TYPE_CHECKING:
-    from .config import ExperimentConfig
-    from .federation.loop import Callback
-    from .runner import RunSummary, TableRun
+    from .runner import RunSummary
 
 DEFAULT_SEEDS = (0, 1, 2)
 DEFAULT_LAST = 3
@@ -76,53 +69,6 @@ def test_samples(summary: "RunSummary", newcomers: bool = False) -> int:
     sim = summary.extra.get("simulator")
     table = getattr(sim, "last_client_table", None) or []
     return int(sum(r.get("n_test", 0) for r in table if bool(r.get("newcomer", 0)) == newcomers))
-
-
-@dataclass
-class Row:
-    """One row of a comparison: ``config(seed)`` gives its validated config for that seed."""
-    label: str
-    config: Callable[[int], "ExperimentConfig"]
-    group: str = ""
-    #: extra per-run columns from the finished run (e.g. bytes, ARI); may override ``test_n``
-    measure: Callable[["RunSummary"], dict[str, float]] | None = None
-    #: callbacks of each run (fresh ones per run), e.g. a tail average over some clients
-    callbacks: Callable[[], Sequence["Callback"]] | None = None
-
-
-def run_rows(parent: "TableRun", rows: Sequence[Row], seeds: Iterable[int], *, metric: str = "test/acc_mean",
-             last: int = DEFAULT_LAST, progress: Callable[[str], None] | None = print) -> list[dict]:
-    """Run every row for every seed; one record per run (see the module docstring)."""
-    from .data import load_federated
-    from .schema import to_dict
-
-    seeds = check_seeds(seeds)
-    configs = {(i, s): row.config(s) for s in seeds for i, row in enumerate(rows)}  # every error first
-    data_cache: dict[str, Any] = {}
-    records = []
-    for s in seeds:
-        for i, row in enumerate(rows):
-            cfg = configs[(i, s)]
-            key = json.dumps([to_dict(cfg.data), cfg.seed], sort_keys=True, default=str)
-            if key not in data_cache:
-                data_cache.clear()  # rows come grouped by seed: keep one partition in memory
-                data_cache[key] = load_federated(cfg.data, cfg.seed)
-            start = time.perf_counter()
-            name = f"{row.group + ': ' if row.group else ''}{row.label} [seed {s}]"
-            summary = parent.run(name, cfg, data=data_cache[key],
-                                 callbacks=list(row.callbacks()) if row.callbacks else [])
-            rec = {"group": row.group, "row": row.label, "seed": s,
-                   "final": float(summary.final.get(metric, float("nan"))),
-                   "last_mean": last_mean(summary.history, metric, last),
-                   "test_n": float(test_samples(summary)),
-                   "seconds": time.perf_counter() - start, "status": summary.status, "run_id": summary.run_id or ""}
-            if row.measure is not None:
-                rec.update(row.measure(summary))
-            records.append(rec)
-            if progress:
-                progress(f"  {name:<60} {metric} last {rec['final']:.4f}, mean of last {last} "
-                         f"{rec['last_mean']:.4f}  [{rec['seconds']:.0f} s]")
-    return records
 
 
 def _numeric(v: Any) -> bool:
@@ -247,32 +193,6 @@ def markdown(rows: Sequence[dict], key: str = "last_mean", columns: Sequence[tup
     return "\n".join(lines + [""] + footer + list(notes))
 
 
-def compare(name: str, rows: Sequence[Row], seeds: Iterable[int], *, parent: "TableRun | None" = None,
-            track: bool = True, params: dict | None = None, metric: str = "test/acc_mean", last: int = DEFAULT_LAST,
-            key: str = "last_mean", reference: str | Callable[[str], str] | None = None,
-            columns: Sequence[tuple[str, str, float, int]] = (), key_title: str = "acc %", scale: float = 100.0,
-            text_columns: Sequence[tuple[str, Callable[[dict], str]]] = (), notes: Sequence[str] = (),
-            outdir=None, progress: Callable[[str], None] | None = print) -> dict:
-    """:func:`run_rows` + :func:`aggregate` + :func:`markdown`, logged on one parent run: the summary
-    as ``<name>.csv`` / ``<name>.md``, every run as ``<name>_runs.csv``, and per row
-    ``<group>/<row>/<key>_mean`` (``_std``) as parent metrics."""
-    from .runner import TableRun
-
-    seeds = check_seeds(seeds)
-    parent = parent or TableRun(name, track=track, params={**(params or {}), "seeds": " ".join(map(str, seeds))})
-    records = run_rows(parent, rows, seeds, metric=metric, last=last, progress=progress)
-    summary = aggregate(records, key=key, reference=reference)
-    text = markdown(summary, key, columns, key_title=key_title, scale=scale, last=last, metric=metric,
-                    text_columns=text_columns, notes=notes)
-    for r in summary:
-        tag = metric_tag(f"{r['group']}/{r['row']}" if r["group"] else r["row"])
-        values = {f"{tag}/{key}_mean": r[f"{key}_mean"], f"{tag}/{key}_std": r[f"{key}_std"]}
-        parent.log_metrics({k: v for k, v in values.items() if v == v})
-    flat = [{k: v for k, v in r.items() if k != "values"} for r in summary]
-    parent.finish(flat, name, text, outdir=outdir, runs=records)
-    return {"summary": summary, "records": records, "markdown": text, "parent_run_id": parent.run_id}
-
-
 def metric_tag(label: str) -> str:
     """An MLflow-safe metric name part (letters, digits, '_', '-', '.', '/', ' ')."""
     import re
@@ -280,5 +200,5 @@ def metric_tag(label: str) -> str:
     return re.sub(r"[^0-9A-Za-z_\-./ ]", "_", label.replace("+", "_plus_").replace("λ", "lam"))
 
 
-__all__ = ["DEFAULT_LAST", "DEFAULT_SEEDS", "MARK", "Row", "add_seeds_argument", "aggregate", "check_seeds",
-           "compare", "evaluations", "fmt", "last_mean", "markdown", "metric_tag", "run_rows", "test_samples"]
+__all__ = ["DEFAULT_LAST", "DEFAULT_SEEDS", "MARK", "add_seeds_argument", "aggregate", "check_seeds", "evaluations",
+           "fmt", "last_mean", "markdown", "metric_tag", "test_samples"]

@@ -388,33 +388,41 @@ def test_search_spaces_load_and_check(name):
 
 
 @pytest.mark.slow
-def test_compare_baselines_pipeline_logs_parent_table_and_children(tmp_path):
-    root = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(root / "pipelines"))
-    import compare_baselines
-    from pfl.tracking import client
+def test_compare_baselines_pipeline_logs_parent_table_and_children(ray_cluster, tmp_path):
+    """pipelines/compare_baselines.py: tables/baselines.yaml's cells on Ray, the table on one parent."""
+    import subprocess
 
-    result = compare_baselines.run(
-        ["fedavg", "scaffold", "fedrep"], scenario="digits_dir05", quick=True,
-        overrides=["data.source=digits", "data.max_samples=null", "data.num_clients=6", "federation.rounds=2",
-                   "federation.clients_per_round=3", "federation.eval_every=1"],
-        out=tmp_path, progress=None, seeds=[0, 1], last=2)
-    table = result["table"]
-    assert list(table["method"]) == ["fedavg", "scaffold", "fedrep"]
+    import pandas as pd
+    from mlflow.tracking import MlflowClient
+
+    root = Path(__file__).resolve().parents[1]
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+    code, out = ray_cluster.run(
+        [sys.executable, str(root / "pipelines" / "compare_baselines.py"), "--quick", "--scenario", "digits_dir05",
+         "--methods", "fedavg", "scaffold", "fedrep", "--seeds", "0", "1", "--last", "2", "--out", str(tmp_path),
+         "--storage", str(tmp_path / "ray_results"), "--quiet",
+         "--set", "data.source=digits", "data.max_samples=null", "data.num_clients=6", "federation.rounds=2",
+         "federation.clients_per_round=3", "federation.eval_every=1"],
+        {"MLFLOW_TRACKING_URI": uri, "PFL_CACHE_DIR": str(tmp_path / "cache"), "RAY_ADDRESS": ray_cluster.address})
+    assert code == 0, out[-4000:]
+    table = pd.read_csv(tmp_path / "baselines-quick.csv")
+    assert list(table["row"]) == ["fedavg", "scaffold", "fedrep"]
     assert (table["seeds"] == 2).all()
-    runs = result["records"]
-    assert len(runs) == 6 and all(r["status"] == "FINISHED" for r in runs)
-    by = table.set_index("method")
+    runs = pd.read_csv(tmp_path / "baselines-quick_runs.csv")
+    assert len(runs) == 6 and (runs["status"] == "FINISHED").all()
+    by = table.set_index("row")
     assert by.loc["scaffold", "total_bytes_mean"] == 2 * by.loc["fedavg", "total_bytes_mean"]
     assert by.loc["fedrep", "total_bytes_mean"] < by.loc["fedavg", "total_bytes_mean"]
     assert math.isnan(by.loc["fedrep", "global_acc_mean"]) and by.loc["fedavg", "global_acc_mean"] > 0
     assert (table["mark"] == "ref").sum() == 1   # the best row is the reference
-    text = (tmp_path / "baselines_table.md").read_text()
+    text = (tmp_path / "baselines-quick.md").read_text()
     assert sum(ln.startswith("|") for ln in text.splitlines()) == 5 and "CIFAR-10" in text and "±" in text
-    mc = client()
-    parent = mc.get_run(result["parent_run_id"])
+    mc = MlflowClient(tracking_uri=uri)
+    parent = next(r for e in mc.search_experiments() for r in mc.search_runs([e.experiment_id])
+                  if "mlflow.parentRunId" not in r.data.tags)
     artifacts = {a.path for a in mc.list_artifacts(parent.info.run_id)}
-    assert {"baselines_table.csv", "baselines_table.md", "baselines_table_runs.csv"} <= artifacts
+    assert {"baselines-quick.csv", "baselines-quick.md", "baselines-quick_runs.csv"} <= artifacts
     children = mc.search_runs([parent.info.experiment_id],
                               filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
     assert sorted(r.info.run_name for r in children) == sorted(f"{m} [seed {s}]" for m in ("fedavg", "fedrep", "scaffold")

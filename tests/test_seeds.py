@@ -4,9 +4,8 @@ import math
 
 import pytest
 
-from helpers import small_config
 from pfl.schema import ConfigError
-from pfl.seeds import MARK, Row, aggregate, check_seeds, compare, last_mean, markdown
+from pfl.seeds import MARK, aggregate, check_seeds, last_mean, markdown
 
 
 def _records():
@@ -50,26 +49,6 @@ def test_seeds_must_be_given_and_distinct():
         with pytest.raises(ConfigError) as err:
             check_seeds(bad)
         assert err.value.field == "--seeds"
-
-
-def test_compare_runs_every_row_for_every_seed_on_the_seeds_data(tmp_path):
-    rows = [Row(label, lambda s, m=method: small_config(method__name=m, seed=s, federation__rounds=2,
-                                                        federation__eval_every=1, data__num_clients=4,
-                                                        federation__clients_per_round=0),
-                measure=lambda summary: {"bytes": summary.final["comm/total_bytes"]})
-            for label, method in (("fedavg", "fedavg"), ("local", "local"))]
-    out = compare("seed_test", rows, [0, 1], track=False, reference="local", last=2, outdir=tmp_path, progress=None)
-    recs = out["records"]
-    assert [(r["row"], r["seed"]) for r in recs] == [("fedavg", 0), ("local", 0), ("fedavg", 1), ("local", 1)]
-    assert all(r["test_n"] > 0 for r in recs) and recs[0]["test_n"] == recs[1]["test_n"]  # one partition per seed
-    assert recs[0]["test_n"] != recs[2]["test_n"] or recs[0]["final"] != recs[2]["final"]  # seeds differ
-    local = [r for r in recs if r["row"] == "local"]
-    assert all(r["bytes"] == 0 for r in local)
-    summary = {r["row"]: r for r in out["summary"]}
-    fed = [r["last_mean"] for r in recs if r["row"] == "fedavg"]
-    assert summary["fedavg"]["last_mean_mean"] == pytest.approx(sum(fed) / 2)
-    assert (tmp_path / "seed_test_runs.csv").read_text().count("\n") == 5
-    assert "Δ vs ref" in (tmp_path / "seed_test.md").read_text()
 
 
 def test_a_failed_run_is_counted_apart_and_never_averaged():

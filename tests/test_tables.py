@@ -214,3 +214,34 @@ def test_a_table_interrupted_after_half_its_cells_resumes_only_the_other_half(ra
     changed = _write(tmp_path, {**yaml.safe_load(path.read_text()), "seeds": [0, 1, 2]})
     code, out = ray_cluster.run(_table_args(changed, tmp_path, "--resume"), env)
     assert code == 2 and "other rows, seeds or settings" in out
+
+
+def _block(doc: Path, after: str, lang: str) -> str:
+    text = doc.read_text()
+    start = text.index(f"```{lang}\n", text.index(after)) + len(lang) + 4
+    return text[start:text.index("```", start)]
+
+
+@pytest.mark.slow
+def test_the_documented_own_table_runs(ray_cluster, tmp_path):
+    """docs/tables.md §1 on the files of docs/your-data.md (examples 1 and 3), as a user runs it."""
+    docs = ROOT / "docs"
+    (tmp_path / "make_clients.py").write_text(_block(docs / "your-data.md", "### Example 1", "python"))
+    (tmp_path / "my_method.py").write_text(_block(docs / "your-data.md", "### Example 3", "python"))
+    (tmp_path / "my_table.yaml").write_text(_block(docs / "tables.md", "## 1. Your own table", "yaml"))
+    made = subprocess.run([sys.executable, "make_clients.py"], cwd=tmp_path, capture_output=True, text=True)
+    assert made.returncode == 0, made.stderr
+    env = {**_store(tmp_path), "RAY_ADDRESS": ray_cluster.address}
+    args = [sys.executable, "-m", "pfl", "table", "my_table.yaml", "--set", "federation.rounds=3",
+            "federation.eval_every=1", "--out", "out"]
+    proc = ray_cluster.popen(args, env, cwd=tmp_path)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-4000:]
+    assert "finished: 12 of 12 cells finished" in out
+    table = pd.read_csv(tmp_path / "out" / "my_table.csv")
+    assert list(table["row"]) == ["FedAvg", "Ditto", "mix α=0.5", "mix α=0.9"] and (table["seeds"] == 3).all()
+    assert table.set_index("row").loc["FedAvg", "mark"] == "ref"
+    runs = pd.read_csv(tmp_path / "out" / "my_table_runs.csv")
+    assert runs.groupby("row")["last_mean"].nunique().min() > 1          # three seeds, three draws
+    by = runs.set_index(["row", "seed"])["last_mean"]
+    assert all(by[("mix α=0.5", s)] != by[("FedAvg", s)] for s in (0, 1, 2))   # the plugin's own evaluation ran

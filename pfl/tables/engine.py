@@ -41,6 +41,7 @@ class TableResult:
     exit_code: int = 0
     failures: dict[str, str] = field(default_factory=dict)
     cells: int = 0
+    headline: dict[str, float] = field(default_factory=dict)
 
 
 def table_trainable(config: dict[str, Any], setup: dict[str, Any]) -> None:
@@ -117,7 +118,7 @@ def run_table(spec: TableSpec, cells: list[Cell], *, address: str | None = None,
     from ..tune.results import MlflowStatusCallback, kill_unfinished_children, saved_trials
     from ..tune.runtime_env import worker_runtime_env
     from ..tune.sweep import fit_tuner
-    from .report import close_parent, summarize
+    from .report import close_parent, hook, summarize
 
     name = name or spec.name
     exp_path = Path(storage).resolve() / name
@@ -129,6 +130,8 @@ def run_table(spec: TableSpec, cells: list[Cell], *, address: str | None = None,
         if state.get("fingerprint") != print_fingerprint:
             raise ConfigError("--resume", f"the table at {exp_path} was run with other rows, seeds or settings; "
                                           "resume it with the same file and flags, or give --name for a new one")
+    headline = hook(spec, "headline")
+    hook(spec, "measure")          # a missing file or function: before any work
     distinct = check_cells(cells)
     first = cells[0].config
     on_cluster = bool(address or os.environ.get("RAY_ADDRESS"))
@@ -180,11 +183,13 @@ def run_table(spec: TableSpec, cells: list[Cell], *, address: str | None = None,
     complete = grid is not None and not received and len(records) == len(cells)
     status = ("FINISHED" if done else "FAILED") if complete else "INTERRUPTED"
     summary, text = summarize(spec, cells, records)
-    close_parent(parent, spec, cells, name, summary, records, text, status, wall, outdir)
+    head = {k: float(v) for k, v in headline(summary).items()} if headline and status == "FINISHED" else {}
+    close_parent(parent, spec, cells, name, summary, records, text, status, wall, outdir, head)
     if status == "INTERRUPTED":
         kill_unfinished_children(parent.run_id)
     code = {"FINISHED": 0, "FAILED": 1}.get(status, 143 if signal.SIGTERM in received else 130)
-    return TableResult(summary, records, text, parent.run_id, str(exp_path), wall, status, code, failures, len(cells))
+    return TableResult(summary, records, text, parent.run_id, str(exp_path), wall, status, code, failures, len(cells),
+                       head)
 
 
 def open_parent(spec: TableSpec, cells: list[Cell], name: str):

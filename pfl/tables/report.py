@@ -25,23 +25,25 @@ def read(history: list[dict], final: dict, metric: str, how: str, last: int) -> 
             "per_round": lambda v: sum(v) / max(len(history), 1)}[how](values)
 
 
-def measure_hook(spec: TableSpec) -> Callable | None:
-    """The table's ``measure``: ``FILE.py:function`` (beside the table file) or ``module:function``."""
-    if not spec.measure:
+def hook(spec: TableSpec, field: str) -> Callable | None:
+    """The table's ``measure`` or ``headline``: ``FILE.py:function`` (beside the table file) or
+    ``module:function``."""
+    text = getattr(spec, field)
+    if not text:
         return None
     from ..plugins import import_file, import_module
     from ..schema import ConfigError
 
-    where, _, fn = spec.measure.rpartition(":")
+    where, _, fn = text.rpartition(":")
     if not where or not fn:
-        raise ConfigError("measure", f"expected FILE.py:function or module:function, got {spec.measure!r}")
+        raise ConfigError(field, f"expected FILE.py:function or module:function, got {text!r} (in {spec.path})")
     if where.endswith(".py"):
         path = Path(where) if Path(where).is_absolute() else Path(spec.path).parent / where
-        module = import_file(str(path), "measure")
+        module = import_file(str(path), field)
     else:
-        module = import_module(where, "measure")
+        module = import_module(where, field)
     if not callable(getattr(module, fn, None)):
-        raise ConfigError("measure", f"{where} has no function {fn!r}")
+        raise ConfigError(field, f"{where} has no function {fn!r} (in {spec.path})")
     return getattr(module, fn)
 
 
@@ -52,7 +54,7 @@ def records_of(spec: TableSpec, cells: list[Cell], trials: list) -> tuple[list[d
     from ..runner import RunSummary
     from ..tune.results import failure_reason
 
-    hook = measure_hook(spec)
+    measure = hook(spec, "measure")
     by_cell = {int((t.config or {}).get("cell", -1)): t for t in trials}
     records, failures = [], {}
     for cell in cells:
@@ -84,8 +86,8 @@ def records_of(spec: TableSpec, cells: list[Cell], trials: list) -> tuple[list[d
         for col in spec.columns:
             if col.metric:
                 rec[col.name] = read(history, final, col.metric, col.read, spec.last)
-        if hook is not None:
-            rec.update(hook(RunSummary(final, history, rec["run_id"] or None)))
+        if measure is not None:
+            rec.update(measure(RunSummary(final, history, rec["run_id"] or None)))
         records.append(rec)
     return records, failures
 
@@ -169,7 +171,7 @@ def plot(spec: TableSpec, cells: list[Cell], summary: list[dict], index: int, ou
 
 
 def close_parent(parent, spec: TableSpec, cells: list[Cell], name: str, summary: list[dict], records: list[dict],
-                 text: str, status: str, wall: float, outdir: str | Path | None) -> None:
+                 text: str, status: str, wall: float, outdir: str | Path | None, headline: dict | None = None) -> None:
     """The table on its parent run (CSV, Markdown, Parquet, every cell, the plots, per-row metrics)."""
     import tempfile
 
@@ -195,8 +197,9 @@ def close_parent(parent, spec: TableSpec, cells: list[Cell], name: str, summary:
     parent.log_metrics({"table/cells": float(len(cells)), "table/finished": float(
         sum(r["status"] == "FINISHED" for r in records)), "table/failed": float(
         sum(r["status"] == "FAILED" for r in records)), "table/wall_s": wall})
+    parent.log_metrics({k: v for k, v in (headline or {}).items() if v == v})
     parent.set_tags({"pfl.status": status.lower()})
     parent.end({"FINISHED": "FINISHED", "FAILED": "FAILED"}.get(status, "KILLED"))
 
 
-__all__ = ["close_parent", "measure_hook", "plot", "read", "records_of", "summarize"]
+__all__ = ["close_parent", "hook", "plot", "read", "records_of", "summarize"]

@@ -65,6 +65,7 @@ class RowEntry:
                                               "per combination")
     quick: dict = hp(default_factory=dict, doc="dotted values of the row applied with --quick")
     tags: dict = hp(default_factory=dict, doc="text shown by 'tag' columns (templates allowed)")
+    optional: bool = hp(False, "run only when --rows or --only names it")
 
 
 @dataclass
@@ -84,7 +85,9 @@ class TableSpec:
     reference: Any = hp(None, "null, best, a row name, or {group: row name}")
     columns: list[Column] = hp(default_factory=list, doc="metric columns beside the table's metric")
     text_columns: list[TextColumn] = hp(default_factory=list, doc="text columns")
-    measure: str = hp("", "FILE.py:function or module:function giving extra per-run columns from a run")
+    measure: str = hp("", "FILE.py:function or module:function: a run's summary → extra columns of its record")
+    headline: str = hp("", "FILE.py:function or module:function: the summary rows → numbers printed and logged "
+                           "on the parent run")
     notes: list[str] = hp(default_factory=list, doc="lines under the table")
     plots: list[Plot] = hp(default_factory=list, doc="plots logged with the table")
     resources: Resources = hp(default_factory=Resources, doc="resources per cell (a Ray Tune trial)")
@@ -110,6 +113,7 @@ class Row:
     set: dict
     quick: dict
     tags: dict = field(default_factory=dict)
+    optional: bool = False
 
 
 @dataclass
@@ -156,7 +160,8 @@ def expand(spec: TableSpec) -> list[Row]:
     rows: list[Row] = []
     for i, entry in enumerate(spec.rows):
         if not entry.grid:
-            rows.append(Row(entry.name, entry.group, dict(entry.set), dict(entry.quick), dict(entry.tags)))
+            rows.append(Row(entry.name, entry.group, dict(entry.set), dict(entry.quick), dict(entry.tags),
+                            entry.optional))
             continue
         axes = []
         for axis, values in entry.grid.items():
@@ -182,7 +187,7 @@ def expand(spec: TableSpec) -> list[Row]:
                 raise ConfigError(f"rows[{i}].name", f"the template names {{{err.args[0]}}}, which is not an axis "
                                                      f"of the grid{did_you_mean(err.args[0], names)}; axes: "
                                                      f"{', '.join(names)} (in {spec.path})") from None
-            rows.append(Row(name, group, {**entry.set, **values}, dict(entry.quick), tags))
+            rows.append(Row(name, group, {**entry.set, **values}, dict(entry.quick), tags, entry.optional))
     seen: set[tuple[str, str]] = set()
     for row in rows:
         if (row.group, row.name) in seen:
@@ -207,7 +212,10 @@ def parse_row_sets(items: list[str]) -> dict[str, dict[str, Any]]:
 
 
 def select_rows(rows: list[Row], names: list[str] | None, only: list[str] | None) -> list[Row]:
-    """``--rows`` (exact names) and ``--only`` (rows whose group or name contains a text)."""
+    """``--rows`` (exact names) and ``--only`` (rows whose group or name contains a text); without
+    either, the rows that are not optional."""
+    if not names and not only:
+        return [r for r in rows if not r.optional]
     if names:
         known = [r.name for r in rows]
         for n in names:
@@ -219,6 +227,20 @@ def select_rows(rows: list[Row], names: list[str] | None, only: list[str] | None
         if not rows:
             raise ConfigError("--only", f"no row's group or name contains {' or '.join(map(repr, only))}")
     return rows
+
+
+def method_rows(rows: list[Row], methods: list[str]) -> list[Row]:
+    """The rows of ``methods`` (their ``method.name``); a registered method without a row becomes
+    one of its own, with its defaults (``--methods fedslr`` on the baselines table)."""
+    from ..methods import METHODS
+
+    out = []
+    for m in methods:
+        mine = [r for r in rows if r.set.get("method.name") == m]
+        if not mine and "+" not in m and m not in METHODS:   # fedprox+ala: the resolver checks it
+            raise METHODS.unknown(m, "--methods")
+        out += mine or [Row(m, "", {"method.name": m}, {})]
+    return out
 
 
 def cells(spec: TableSpec, *, quick: bool = False, overrides: list[str] | None = None,
@@ -262,4 +284,4 @@ def fingerprint(table_cells: list[Cell]) -> str:
 
 
 __all__ = ["Cell", "Column", "Plot", "READS", "Row", "RowEntry", "TEXT_KINDS", "TableSpec", "TextColumn", "cells",
-           "expand", "fingerprint", "load_table", "parse_row_sets", "select_rows"]
+           "expand", "fingerprint", "load_table", "method_rows", "parse_row_sets", "select_rows"]
