@@ -387,3 +387,29 @@ def test_concurrent_trials_on_two_nodes_write_to_postgresql_directly(team, two_n
     assert all(c["status"] == "FINISHED" and c["steps"] == list(range(1, rounds + 1)) for c in children)
     assert all(CHILD_ARTIFACTS <= set(c["artifacts"]) for c in children)
     assert all(c["artifact_uri"].startswith((tmp_path / "mlartifacts").as_uri()) for c in children)
+
+
+@pytest.mark.slow
+def test_a_table_runs_its_cells_on_both_nodes(team, two_nodes, tmp_path):
+    """pfl table on the two-node cluster: one CPU a node, so both nodes take cells, each cell's
+    record names the node that ran it, and the table lands on the MLflow server."""
+    import pandas as pd
+    import yaml
+
+    address, ray_auth = two_nodes
+    table = tmp_path / "two_nodes.yaml"
+    table.write_text(yaml.safe_dump({
+        "set": {"data.source": "digits", "data.num_clients": 6, "federation.rounds": 6,
+                "federation.clients_per_round": 3, "federation.eval_every": 2, "federation.local_epochs": 1},
+        "rows": [{"name": "fedavg", "set": {"method.name": "fedavg"}},
+                 {"name": "ditto", "set": {"method.name": "ditto"}}],
+        "seeds": [0, 1], "reference": "fedavg"}))
+    env = {**team.env(PFL_CACHE_DIR=str(tmp_path / "cache"), RAY_ADDRESS=address), **ray_auth}
+    done = team.run([sys.executable, "-m", "pfl", "table", str(table), "--storage", str(tmp_path / "ray_results"),
+                     "--out", str(tmp_path / "out")], env, tmp_path, timeout=600)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert "cluster at 127.0.0.1" in done.stdout and "finished: 4 of 4 cells finished" in done.stdout
+    runs = pd.read_csv(tmp_path / "out" / "two_nodes_runs.csv")
+    assert len(runs) == 4 and runs["node"].nunique() == 2, runs[["row", "seed", "node"]]
+    parents = [r for r in listing(team, env) if r["parent"] is None and r["name"] == "two_nodes"]
+    assert len(parents) == 1 and parents[0]["status"] == "FINISHED"
