@@ -182,7 +182,8 @@ def markdown(rows: Sequence[dict], key: str = "last_mean", columns: Sequence[tup
         cells += [fn(r) for _, fn in text_columns]
         lines.append("| " + " | ".join(cells) + " |")
     what = (f"{metric} averaged over the last {last} evaluations of each run" if key == "last_mean"
-            else f"{metric} at the last evaluation" if key == "final" else key)
+            else f"{metric} at the last evaluation" if key == "final"
+            else f"the best {metric} of a run's evaluations" if key == "best" else key)
     footer = [f"{key_title}: {what}; mean ± sample std over the seeds."]
     if has_ref:
         footer.append(f"Δ vs ref: the paired difference to the group's reference row over the same seeds; "

@@ -78,15 +78,18 @@ def test_grids_expand_in_axis_order_with_labelled_axes_and_templates(tmp_path):
 
 def test_layering_rows_over_shared_values_and_the_command_line(tmp_path):
     path = _write(tmp_path, {"set": {**SMALL, "method.name": "ditto", "method.lam": 0.5},
-                             "quick": {"federation.rounds": 2},
-                             "rows": [{"name": "a", "set": {"method.lam": 0.1}, "quick": {"federation.lr": 0.3}},
+                             "presets": {"quick": {"federation.rounds": 2}},
+                             "rows": [{"name": "a", "set": {"method.lam": 0.1},
+                                       "presets": {"quick": {"federation.lr": 0.3}}},
                                       {"name": "b"}]})
     spec = load_table(path)
-    a, b = cells(spec, quick=True, overrides=["method.lam=2", "federation.rounds=3"], seeds=[0], track=False,
+    a, b = cells(spec, preset="quick", overrides=["method.lam=2", "federation.rounds=3"], seeds=[0], track=False,
                  row_sets=parse_row_sets(["b:federation.lr=0.01"]))
     assert a.config.method.hparams.lam == 0.1 and b.config.method.hparams.lam == 2.0   # the row's value wins
     assert a.config.federation.rounds == b.config.federation.rounds == 3               # --set after quick
     assert a.config.federation.lr == 0.3 and b.config.federation.lr == 0.01
+    with pytest.raises(ConfigError, match="no preset 'paper'"):
+        cells(spec, preset="paper", seeds=[0], track=False)
     with pytest.raises(ConfigError, match="no row 'c'"):
         cells(spec, seeds=[0], row_sets=parse_row_sets(["c:federation.lr=1"]), track=False)
     with pytest.raises(ConfigError, match="did you mean 'b'"):
@@ -97,8 +100,8 @@ def test_layering_rows_over_shared_values_and_the_command_line(tmp_path):
 @pytest.mark.parametrize("path", sorted(TABLES.glob("*.yaml")), ids=lambda p: p.stem)
 def test_every_table_file_resolves(path):
     spec = load_table(path)
-    for quick in (False, True):
-        table = cells(spec, quick=quick, seeds=spec.seeds[:1], track=False)
+    for preset in (None, *spec.presets, *{p for r in spec.rows for p in r.presets}):
+        table = cells(spec, preset=preset, seeds=spec.seeds[:1], track=False)
         assert table and len({c.label for c in table}) == len(table)
 
 

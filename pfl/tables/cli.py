@@ -18,7 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser, table: bool = True) -> None:
 
     if table:
         parser.add_argument("table", help="table file (tables/*.yaml)")
-    parser.add_argument("--quick", action="store_true", help="the table's small, fast version (its quick values)")
+    parser.add_argument("--preset", help="the table's values of a preset (e.g. paper)")
+    parser.add_argument("--quick", action="store_true", help="--preset quick: the table's small, fast version")
     parser.add_argument("--scenario", help="another named scenario (search_spaces/scenarios.yaml) for every row")
     parser.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                         help="dotted config overrides for every row")
@@ -28,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser, table: bool = True) -> None:
     parser.add_argument("--methods", nargs="+", metavar="METHOD",
                         help="run only the rows of these methods; a method the table lacks is a row of its own")
     parser.add_argument("--last", type=int, help="evaluations averaged per run (default: the table's)")
-    parser.add_argument("--only", nargs="+", metavar="TEXT", help="run only rows whose group or name contains TEXT")
+    parser.add_argument("--only", nargs="+", metavar="TEXT", help="run only rows whose GROUP/ROW matches TEXT (a regular expression)")
     parser.add_argument("--seeds", nargs="+", type=int, metavar="SEED",
                         help=f"seeds (default: the table's, usually {' '.join(map(str, DEFAULT_SEEDS))})")
     parser.add_argument("--no-track", action="store_true", help="do not log to MLflow")
@@ -60,9 +61,10 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         rows = select_rows(expand(spec), args.rows, args.only)
         if args.methods:
             rows = method_rows(expand(spec), args.methods)
-        table_cells = cells(spec, quick=args.quick, overrides=args.set, seeds=seeds, track=not args.no_track,
+        preset = "quick" if args.quick else args.preset
+        table_cells = cells(spec, preset=preset, overrides=args.set, seeds=seeds, track=not args.no_track,
                             row_sets=parse_row_sets(args.row_set), rows=rows)
-        name = args.name or spec.name + ("-quick" if args.quick else "")
+        name = args.name or spec.name + (f"-{preset}" if preset else "")
         result = run_table(spec, table_cells, address=args.address, resources=parse_resources(args.resources),
                            resume=args.resume, storage=args.storage, name=name, outdir=args.out,
                            progress=None if args.quiet else print)

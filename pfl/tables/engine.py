@@ -50,10 +50,10 @@ def table_trainable(config: dict[str, Any], setup: dict[str, Any]) -> None:
     from ray import tune
 
     from ..callbacks import MLflowLogger
-    from ..tune.trainable import run_trial, trial_config
-
     from ..data import load_federated
     from ..schema import to_dict
+    from ..tune.trainable import run_trial, trial_config
+    from .hooks import HOOKS
 
     cell_setup = {**setup, "base": setup["cells"][int(config["cell"])]}
     cfg = trial_config({}, cell_setup)
@@ -63,12 +63,15 @@ def table_trainable(config: dict[str, Any], setup: dict[str, Any]) -> None:
     if key not in _DATA:
         _DATA.clear()
         _DATA[key] = load_federated(cfg.data, cfg.seed)
-    loop = run_trial(cfg, cell_setup, data=_DATA[key])
+    columns = HOOKS.get(setup["trial_hook"])[1](cfg) if setup.get("trial_hook") else None
+    loop = run_trial(cfg, cell_setup, steering=[columns] if columns else (), data=_DATA[key])
     sim = loop.sim
     table = getattr(sim, "last_client_table", None) or []
     record = {"history": sim.history, "summary": loop.summary, "data_load_s": sim.data_load_s,
               "test_n": sum(r.get("n_test", 0) for r in table if not r.get("newcomer", 0)),
               "node": ray.get_runtime_context().get_node_id()}
+    if columns is not None:
+        record["trial"] = columns.columns(loop)
     run_id = next((cb.run_id for cb in loop.callbacks if isinstance(cb, MLflowLogger)), None)
     tune.report({"round": sim.executed, "table/record": json.dumps(record, default=float),
                  "mlflow_run_id": run_id or ""})
@@ -118,7 +121,8 @@ def run_table(spec: TableSpec, cells: list[Cell], *, address: str | None = None,
     from ..tune.results import MlflowStatusCallback, kill_unfinished_children, saved_trials
     from ..tune.runtime_env import worker_runtime_env
     from ..tune.sweep import fit_tuner
-    from .report import close_parent, hook, summarize
+    from .hooks import get_hook
+    from .report import close_parent, summarize
 
     name = name or spec.name
     exp_path = Path(storage).resolve() / name
@@ -130,8 +134,9 @@ def run_table(spec: TableSpec, cells: list[Cell], *, address: str | None = None,
         if state.get("fingerprint") != print_fingerprint:
             raise ConfigError("--resume", f"the table at {exp_path} was run with other rows, seeds or settings; "
                                           "resume it with the same file and flags, or give --name for a new one")
-    headline = hook(spec, "headline")
-    hook(spec, "measure")          # a missing file or function: before any work
+    headline = get_hook(spec, "headline")
+    for kind in ("measure", "trial", "records"):   # an unknown name: before any work
+        get_hook(spec, kind)
     distinct = check_cells(cells)
     first = cells[0].config
     on_cluster = bool(address or os.environ.get("RAY_ADDRESS"))
@@ -166,7 +171,7 @@ def run_table(spec: TableSpec, cells: list[Cell], *, address: str | None = None,
         parent = open_parent(spec, cells, name)
         setup = {"cells": [c.raw for c in cells], "parent_run_id": parent.run_id, "env": export_environment(),
                  "experiment": first.tracking.experiment, "cpus": res["cpu"],
-                 "checkpoint_every": spec.checkpoint_every}
+                 "checkpoint_every": spec.checkpoint_every, "trial_hook": spec.trial}
         exp_path.mkdir(parents=True, exist_ok=True)
         state = {"parent_run_id": parent.run_id, "fingerprint": print_fingerprint, "setup": setup}
         state_path.write_text(json.dumps(state))
@@ -178,13 +183,13 @@ def run_table(spec: TableSpec, cells: list[Cell], *, address: str | None = None,
     grid, received, wall = fit_tuner(tuner, previous_wall)
     state_path.write_text(json.dumps({**state, "wall_s": wall}))
     trials = saved_trials(exp_path) if grid is not None else []
-    records, failures = records_of(spec, cells, trials)
+    records, failures, histories = records_of(spec, cells, trials)
     done = sum(r["status"] == "FINISHED" for r in records)
     complete = grid is not None and not received and len(records) == len(cells)
     status = ("FINISHED" if done else "FAILED") if complete else "INTERRUPTED"
     summary, text = summarize(spec, cells, records)
     head = {k: float(v) for k, v in headline(summary).items()} if headline and status == "FINISHED" else {}
-    close_parent(parent, spec, cells, name, summary, records, text, status, wall, outdir, head)
+    close_parent(parent, spec, cells, name, summary, records, text, status, wall, outdir, head, histories)
     if status == "INTERRUPTED":
         kill_unfinished_children(parent.run_id)
     code = {"FINISHED": 0, "FAILED": 1}.get(status, 143 if signal.SIGTERM in received else 130)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any, Callable
 
 from ..seeds import aggregate, last_mean, markdown, metric_tag
+from .hooks import get_hook
 from .spec import Cell, TableSpec
 
 NAN = float("nan")
@@ -25,38 +25,17 @@ def read(history: list[dict], final: dict, metric: str, how: str, last: int) -> 
             "per_round": lambda v: sum(v) / max(len(history), 1)}[how](values)
 
 
-def hook(spec: TableSpec, field: str) -> Callable | None:
-    """The table's ``measure`` or ``headline``: ``FILE.py:function`` (beside the table file) or
-    ``module:function``."""
-    text = getattr(spec, field)
-    if not text:
-        return None
-    from ..plugins import import_file, import_module
-    from ..schema import ConfigError
-
-    where, _, fn = text.rpartition(":")
-    if not where or not fn:
-        raise ConfigError(field, f"expected FILE.py:function or module:function, got {text!r} (in {spec.path})")
-    if where.endswith(".py"):
-        path = Path(where) if Path(where).is_absolute() else Path(spec.path).parent / where
-        module = import_file(str(path), field)
-    else:
-        module = import_module(where, field)
-    if not callable(getattr(module, fn, None)):
-        raise ConfigError(field, f"{where} has no function {fn!r} (in {spec.path})")
-    return getattr(module, fn)
-
-
-def records_of(spec: TableSpec, cells: list[Cell], trials: list) -> tuple[list[dict], dict[str, str]]:
-    """One record per cell that ended (FINISHED or FAILED), in the cells' order; failures by label."""
+def records_of(spec: TableSpec, cells: list[Cell], trials: list) -> tuple[list[dict], dict[str, str], dict]:
+    """One record per cell that ended (FINISHED or FAILED), in the cells' order; failures by label;
+    the histories of the first seed's cells (for curve plots)."""
     import json
 
     from ..runner import RunSummary
     from ..tune.results import failure_reason
 
-    measure = hook(spec, "measure")
+    measure, combine = get_hook(spec, "measure"), get_hook(spec, "records")
     by_cell = {int((t.config or {}).get("cell", -1)): t for t in trials}
-    records, failures = [], {}
+    records, failures, histories = [], {}, {}
     for cell in cells:
         trial = by_cell.get(cell.index)
         status = str(getattr(trial, "status", ""))
@@ -73,6 +52,8 @@ def records_of(spec: TableSpec, cells: list[Cell], trials: list) -> tuple[list[d
             continue    # cut off: a resume continues it
         run = json.loads(result["table/record"])
         history = run["history"]
+        if cell.seed == cells[0].seed:
+            histories[cell.index] = history
         final: dict[str, float] = {}
         for row in history:
             final.update(row)
@@ -86,10 +67,11 @@ def records_of(spec: TableSpec, cells: list[Cell], trials: list) -> tuple[list[d
         for col in spec.columns:
             if col.metric:
                 rec[col.name] = read(history, final, col.metric, col.read, spec.last)
+        rec.update(run.get("trial", {}))
         if measure is not None:
             rec.update(measure(RunSummary(final, history, rec["run_id"] or None)))
         records.append(rec)
-    return records, failures
+    return (combine(records) if combine is not None else records), failures, histories
 
 
 def reference_of(spec: TableSpec):
@@ -100,7 +82,7 @@ def reference_of(spec: TableSpec):
 def summarize(spec: TableSpec, cells: list[Cell], records: list[dict]) -> tuple[list[dict], str]:
     from ..runner import format_bytes
 
-    summary = aggregate(records, key=spec.read, reference=reference_of(spec), skip=("seed", "seconds"))
+    summary = aggregate(records, key=spec.key, reference=reference_of(spec), skip=("seed", "seconds"))
     rows = {(c.row.group, c.row.name): c for c in cells}
 
     def text(col) -> Callable[[dict], str]:
@@ -117,7 +99,7 @@ def summarize(spec: TableSpec, cells: list[Cell], records: list[dict]) -> tuple[
         return cell_text
 
     columns = [(c.name, c.title or c.name, c.scale, c.digits) for c in spec.columns if c.show]
-    text_md = markdown(summary, spec.read, columns, key_title=spec.title, scale=spec.scale, last=spec.last,
+    text_md = markdown(summary, spec.key, columns, key_title=spec.title, scale=spec.scale, last=spec.last,
                        metric=spec.metric, text_columns=[(c.title, text(c)) for c in spec.text_columns],
                        notes=list(spec.notes))
     return summary, text_md
@@ -130,54 +112,16 @@ def dotted(raw: dict, key: str) -> Any:
     return value
 
 
-def plot(spec: TableSpec, cells: list[Cell], summary: list[dict], index: int, out: Path) -> Path:
-    """One of the table's plots: a column (or the metric) against a column or a row parameter,
-    mean ± std over the seeds, one line per group."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    p = spec.plots[index]
-    raw = {(c.row.group, c.row.name): c.raw for c in cells}
-    y_key = spec.read if p.y == "value" else p.y
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for group in dict.fromkeys(r["group"] for r in summary):
-        pts = []
-        for r in (r for r in summary if r["group"] == group):
-            x = (dotted(raw[(group, r["row"])], p.x[7:]) if p.x.startswith("config:") else r.get(f"{p.x}_mean"))
-            y, err = r.get(f"{y_key}_mean", NAN), r.get(f"{y_key}_std", NAN)
-            if isinstance(x, (int, float)) and not math.isnan(float(x)) and y == y:
-                pts.append((float(x), y, 0.0 if err != err else err, r["row"]))
-        pts.sort()
-        if pts:
-            xs, ys, es, names = zip(*pts)
-            ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=group or None)
-            for x, y, name in zip(xs, ys, names):
-                ax.annotate(name, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
-    ax.set_xlabel(p.x.removeprefix("config:"))
-    ax.set_ylabel(spec.metric if p.y == "value" else p.y)
-    if p.logx:
-        ax.set_xscale("log")
-    ax.set_title(p.title or f"{spec.name}: {ax.get_ylabel()} against {ax.get_xlabel()}", fontsize=10)
-    ax.grid(alpha=0.3)
-    if any(r["group"] for r in summary):
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out / f"{spec.name}_plot{index + 1}.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
 def close_parent(parent, spec: TableSpec, cells: list[Cell], name: str, summary: list[dict], records: list[dict],
-                 text: str, status: str, wall: float, outdir: str | Path | None, headline: dict | None = None) -> None:
+                 text: str, status: str, wall: float, outdir: str | Path | None, headline: dict | None = None,
+                 histories: dict | None = None) -> None:
     """The table on its parent run (CSV, Markdown, Parquet, every cell, the plots, per-row metrics)."""
     import tempfile
 
     import pandas as pd
 
     from ..runner import write_table
+    from .plots import plot
 
     flat = [{k: v for k, v in r.items() if k != "values"} for r in summary]
     with tempfile.TemporaryDirectory() as tmp:
@@ -189,10 +133,11 @@ def close_parent(parent, spec: TableSpec, cells: list[Cell], name: str, summary:
             pd.DataFrame(records).to_parquet(out / f"{name}_runs.parquet")
             parent.log_artifact(out / f"{name}_runs.parquet")
         for i in range(len(spec.plots) if status == "FINISHED" else 0):
-            parent.log_artifact(plot(spec, cells, summary, i, out), "plots")
+            for path in plot(spec, cells, summary, histories or {}, i, out):
+                parent.log_artifact(path, "plots")
     for r in summary:
         tag = metric_tag(f"{r['group']}/{r['row']}" if r["group"] else r["row"])
-        values = {f"{tag}/{spec.read}_{s}": r.get(f"{spec.read}_{s}", NAN) for s in ("mean", "std")}
+        values = {f"{tag}/{spec.key}_{s}": r.get(f"{spec.key}_{s}", NAN) for s in ("mean", "std")}
         parent.log_metrics({k: v for k, v in values.items() if v == v})
     parent.log_metrics({"table/cells": float(len(cells)), "table/finished": float(
         sum(r["status"] == "FINISHED" for r in records)), "table/failed": float(
@@ -202,4 +147,4 @@ def close_parent(parent, spec: TableSpec, cells: list[Cell], name: str, summary:
     parent.end({"FINISHED": "FINISHED", "FAILED": "FAILED"}.get(status, "KILLED"))
 
 
-__all__ = ["close_parent", "hook", "plot", "read", "records_of", "summarize"]
+__all__ = ["close_parent", "read", "records_of", "summarize"]

@@ -4,10 +4,11 @@ A table file is validated like a search space before anything runs: an unknown k
 with a "did you mean", and every problem is one line naming the file and the key. ``cells``
 turns a table into its cells (row × seed), each a resolved config, every config error first.
 
-Layering of one cell's config: the scenario, the table's ``set``, its ``quick`` values (with
-``--quick``), the command line's ``--set``, the row's ``set`` (and its ``quick``), ``--row-set``,
-the seed and the tracking switch. A row's values come after the shared ones because a row is
-what the table compares (FedSLR's tuned Ditto λ beats a shared ``method.lam``).
+Layering of one cell's config: the scenario, the table's ``set``, its preset's values (``--preset
+NAME``; ``--quick`` is ``--preset quick``), the command line's ``--set``, the row's ``set`` (and its
+preset's values), ``--row-set``, the seed and the tracking switch. A row's values come after the
+shared ones because a row is what the table compares (FedSLR's tuned Ditto λ beats a shared
+``method.lam``).
 """
 
 from __future__ import annotations
@@ -50,8 +51,12 @@ class TextColumn:
 
 @dataclass
 class Plot:
-    x: str = hp(doc="a column name or config:<dotted key> (a row parameter)")
-    y: str = hp("value", "the column plotted ('value': the table's metric)")
+    x: str = hp(doc="summary: a column or config:<dotted key> (a row parameter); curve: a run metric")
+    y: str = hp("value", "summary: a column ('value': the table's metric); curve: a run metric")
+    kind: str = hp("summary", "summary: mean ± std over seeds per row; curve: every round of the first seed's runs",
+                   choices=("summary", "curve"))
+    series: str = hp("group", "one line per group or per row", choices=("group", "row"))
+    facet: str = hp("", "one figure per group, or per value of config:<dotted key>; empty: one figure")
     title: str = hp("", "the plot's title")
     logx: bool = hp(False, "a logarithmic x axis")
 
@@ -63,7 +68,7 @@ class RowEntry:
     set: dict = hp(default_factory=dict, doc="dotted config values of the row")
     grid: dict = hp(default_factory=dict, doc="dotted key → values, or axis → {label: {dotted: value}}: one row "
                                               "per combination")
-    quick: dict = hp(default_factory=dict, doc="dotted values of the row applied with --quick")
+    presets: dict = hp(default_factory=dict, doc="preset name → the row's dotted values under it")
     tags: dict = hp(default_factory=dict, doc="text shown by 'tag' columns (templates allowed)")
     optional: bool = hp(False, "run only when --rows or --only names it")
 
@@ -74,20 +79,22 @@ class TableSpec:
     name: str = hp("", "the MLflow parent run and the artifacts' name (default: the file's stem)")
     scenario: str | None = hp(None, "named scenario in search_spaces/scenarios.yaml")
     set: dict = hp(default_factory=dict, doc="dotted config values of every row")
-    quick: dict = hp(default_factory=dict, doc="dotted values applied with --quick (a small, fast version)")
+    presets: dict = hp(default_factory=dict, doc="preset name → dotted values (--preset NAME; --quick: quick)")
     rows: list[RowEntry] = hp(default_factory=list, doc="the rows, or grids that expand into rows")
     seeds: list[int] = hp(default_factory=lambda: [0, 1, 2], doc="every row runs once per seed")
     metric: str = hp("test/acc_mean", "the table's metric")
-    read: str = hp("last_mean", "how the metric is read", choices=("last_mean", "final", "best"))
+    read: str = hp("last_mean", "how the metric is read; column: the metric is a column a hook gives",
+                   choices=("last_mean", "final", "best", "column"))
     last: int = hp(3, "evaluations averaged by last_mean", low=1)
     title: str = hp("acc %", "the metric column's heading")
     scale: float = hp(100.0, "printed metric = value × scale")
     reference: Any = hp(None, "null, best, a row name, or {group: row name}")
     columns: list[Column] = hp(default_factory=list, doc="metric columns beside the table's metric")
     text_columns: list[TextColumn] = hp(default_factory=list, doc="text columns")
-    measure: str = hp("", "FILE.py:function or module:function: a run's summary → extra columns of its record")
-    headline: str = hp("", "FILE.py:function or module:function: the summary rows → numbers printed and logged "
-                           "on the parent run")
+    measure: str = hp("", "a table hook: a run's summary → extra columns of its record (in the driver)")
+    trial: str = hp("", "a table hook: the finished run's loop → extra columns (in the cell's worker)")
+    records: str = hp("", "a table hook: all records → records (columns that compare cells)")
+    headline: str = hp("", "a table hook: the summary rows → numbers printed and logged on the parent run")
     notes: list[str] = hp(default_factory=list, doc="lines under the table")
     plots: list[Plot] = hp(default_factory=list, doc="plots logged with the table")
     resources: Resources = hp(default_factory=Resources, doc="resources per cell (a Ray Tune trial)")
@@ -95,6 +102,11 @@ class TableSpec:
     checkpoint_every: int = hp(5, "rounds between a cell's checkpoints (what a resume continues from)", low=1)
 
     path: str = ""
+
+    @property
+    def key(self) -> str:
+        """The record column the table compares."""
+        return self.metric if self.read == "column" else self.read
 
     def validate(self, path: str) -> None:
         if not self.rows:
@@ -111,7 +123,7 @@ class Row:
     name: str
     group: str
     set: dict
-    quick: dict
+    presets: dict
     tags: dict = field(default_factory=dict)
     optional: bool = False
 
@@ -160,7 +172,7 @@ def expand(spec: TableSpec) -> list[Row]:
     rows: list[Row] = []
     for i, entry in enumerate(spec.rows):
         if not entry.grid:
-            rows.append(Row(entry.name, entry.group, dict(entry.set), dict(entry.quick), dict(entry.tags),
+            rows.append(Row(entry.name, entry.group, dict(entry.set), dict(entry.presets), dict(entry.tags),
                             entry.optional))
             continue
         axes = []
@@ -187,7 +199,7 @@ def expand(spec: TableSpec) -> list[Row]:
                 raise ConfigError(f"rows[{i}].name", f"the template names {{{err.args[0]}}}, which is not an axis "
                                                      f"of the grid{did_you_mean(err.args[0], names)}; axes: "
                                                      f"{', '.join(names)} (in {spec.path})") from None
-            rows.append(Row(name, group, {**entry.set, **values}, dict(entry.quick), tags, entry.optional))
+            rows.append(Row(name, group, {**entry.set, **values}, dict(entry.presets), tags, entry.optional))
     seen: set[tuple[str, str]] = set()
     for row in rows:
         if (row.group, row.name) in seen:
@@ -212,7 +224,7 @@ def parse_row_sets(items: list[str]) -> dict[str, dict[str, Any]]:
 
 
 def select_rows(rows: list[Row], names: list[str] | None, only: list[str] | None) -> list[Row]:
-    """``--rows`` (exact names) and ``--only`` (rows whose group or name contains a text); without
+    """``--rows`` (exact names) and ``--only`` (regular expressions searched in ``GROUP/ROW``); without
     either, the rows that are not optional."""
     if not names and not only:
         return [r for r in rows if not r.optional]
@@ -223,9 +235,13 @@ def select_rows(rows: list[Row], names: list[str] | None, only: list[str] | None
                 raise ConfigError("--rows", f"no row {n!r}{did_you_mean(n, known)}; rows: {', '.join(known)}")
         rows = [r for r in rows if r.name in names]
     if only:
-        rows = [r for r in rows if any(t in f"{r.group} {r.name}" for t in only)]
+        try:
+            patterns = [re.compile(t) for t in only]
+        except re.error as err:
+            raise ConfigError("--only", f"not a regular expression: {err}") from None
+        rows = [r for r in rows if any(p.search(f"{r.group}/{r.name}" if r.group else r.name) for p in patterns)]
         if not rows:
-            raise ConfigError("--only", f"no row's group or name contains {' or '.join(map(repr, only))}")
+            raise ConfigError("--only", f"no row's GROUP/ROW matches {' or '.join(map(repr, only))}")
     return rows
 
 
@@ -243,10 +259,11 @@ def method_rows(rows: list[Row], methods: list[str]) -> list[Row]:
     return out
 
 
-def cells(spec: TableSpec, *, quick: bool = False, overrides: list[str] | None = None,
+def cells(spec: TableSpec, *, preset: str | None = None, overrides: list[str] | None = None,
           seeds: list[int] | None = None, row_sets: dict[str, dict] | None = None, rows: list[Row] | None = None,
           track: bool = True) -> list[Cell]:
-    """Every (row, seed) of the table with its resolved config; every error before any work."""
+    """Every (row, seed) of the table (``rows``: default all) with its resolved config; every error
+    before any work."""
     from ..resolver import resolve
 
     rows = expand(spec) if rows is None else rows
@@ -254,10 +271,14 @@ def cells(spec: TableSpec, *, quick: bool = False, overrides: list[str] | None =
     for name in row_sets:
         if name not in {r.name for r in rows}:
             raise ConfigError("--row-set", f"no row {name!r}{did_you_mean(name, [r.name for r in rows])}")
+    known = set(spec.presets) | {p for r in rows for p in r.presets}
+    if preset is not None and preset not in known:
+        raise ConfigError("--preset", f"the table has no preset {preset!r}{did_you_mean(preset, known)}; "
+                                      f"presets: {', '.join(sorted(known)) or 'none'} (in {spec.path})")
     base: dict = {}
     if spec.scenario:
         base = apply_overrides(base, load_scenario(spec.scenario, Path(spec.path) if spec.path else None))
-    for what, values in (("set", spec.set), ("quick", spec.quick if quick else {})):
+    for what, values in (("set", spec.set), (f"presets.{preset}", spec.presets.get(preset) or {})):
         try:
             base = apply_overrides(base, values)
         except ConfigError as err:
@@ -267,7 +288,7 @@ def cells(spec: TableSpec, *, quick: bool = False, overrides: list[str] | None =
     for seed in seeds if seeds is not None else spec.seeds:
         for row in rows:
             raw = apply_overrides(base, row.set)
-            raw = apply_overrides(raw, row.quick if quick else {})
+            raw = apply_overrides(raw, row.presets.get(preset) or {})
             raw = apply_overrides(raw, row_sets.get(row.name, {}))
             raw = apply_overrides(raw, {"seed": seed, "tracking.enabled": track})
             try:
