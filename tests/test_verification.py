@@ -74,3 +74,29 @@ def test_mutation_sample_is_seeded_and_its_interval_is_wilsons(tmp_path):
     text = ms.score(codes, sorted(codes))
     assert "killed / judged = 1 / 3" in text and "not run 1" in text
     assert "survived  pfl.m.x_f__mutmut_2" in text and "no tests  pfl.m.x_f__mutmut_3" in text
+
+
+def test_mutation_score_leaves_the_equivalents_out_and_each_is_argued_in_the_doc(tmp_path):
+    """pipelines/mutation_score.py: killed / (run − equivalent) with an equivalent survivor left out of
+    the denominator, a stale equivalent named; every name of pipelines/mutation_equivalents.txt has a
+    row in docs/verification.md."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "pipelines"))
+    import mutation_score as ms
+
+    codes = {"pfl.m.x_f__mutmut_1": 1, "pfl.m.x_f__mutmut_2": 0, "pfl.m.x_f__mutmut_3": 0,
+             "pfl.m.xǁCǁg__mutmut_1": 36, "pfl.m.x_f__mutmut_5": None}
+    eq = tmp_path / "eq.txt"
+    eq.write_text("# comment\npfl.m.x_f__mutmut_3  # same value\npfl.m.x_gone__mutmut_9  # renamed\n")
+    equivalents = ms.read_equivalents(eq)
+    assert equivalents["pfl.m.x_f__mutmut_3"] == "same value"
+    text = ms.score(codes, sorted(codes), equivalents)
+    assert "killed / (run − equivalent) = 1 / 3 = 33.3 %" in text  # killed 1; survived 2 and timeout count
+    assert "survived  pfl.m.x_f__mutmut_2" in text and "timeout   pfl.m.xǁCǁg__mutmut_1" in text
+    assert "pfl.m.x_f__mutmut_3" not in text.split("not killed")[1].split("equivalents that")[0]
+    assert "pfl.m.x_gone__mutmut_9" in text and "not run yet: 1" in text
+    assert ms.file_of("pfl.m.xǁCǁg__mutmut_1") == ms.file_of("pfl.m.x_f__mutmut_1") == "pfl.m"
+    doc = (ROOT / "docs" / "verification.md").read_text()
+    missing = [n for n in ms.read_equivalents() if f"`{n}`" not in doc]
+    assert not missing, f"equivalent mutants without a row in docs/verification.md: {missing}"
