@@ -104,11 +104,32 @@ def _cmd_datasets(args: argparse.Namespace) -> int:
     from .config import PARTITION_KINDS
     from .data import list_sources
 
+    if args.show is not None:
+        return _show_partition(args)
+    if args.set or args.scenario:
+        raise ConfigError("--set" if args.set else "--scenario", "only with --show (the partition a config makes)")
     _load_cli_plugins(args)
     for spec in list_sources():
         print(f"{spec.name}: {spec.description} (default model: {spec.default_model})")
         _print_fields(spec.params)
     print(f"partition kinds (data.partition.kind): {', '.join(PARTITION_KINDS)}")
+    return 0
+
+
+def _show_partition(args: argparse.Namespace) -> int:
+    """``pfl datasets --show [CONFIG] [--set ...]``: the partition the config makes, as a table."""
+    from . import resolver
+    from .data import load_federated
+    from .data.glance import format_view, partition_view
+
+    scenario = None
+    if args.scenario:
+        from .tune.space import load_scenario
+
+        scenario = load_scenario(args.scenario)
+    cfg = resolver.load(args.show or None, list(args.set or []), scenario, plugins=args.plugin)
+    data = load_federated(cfg.data, cfg.seed, on_demand=True)  # labels only: no client's features are built
+    print(format_view(partition_view(data), max_clients=args.max_clients))
     return 0
 
 
@@ -166,8 +187,19 @@ def build_parser() -> argparse.ArgumentParser:
     methods.set_defaults(func=_cmd_methods)
     compressors = sub.add_parser("compressors", help="list message compressors and their parameters")
     compressors.set_defaults(func=_cmd_compressors)
-    datasets = sub.add_parser("datasets", help="list data sources and their parameters")
+    datasets = sub.add_parser("datasets",
+                              help="list data sources and their parameters; --show: a config's partition")
     datasets.add_argument("--plugin", action="append", metavar="FILE", help=plugin_help)
+    datasets.add_argument("--show", nargs="?", const="", metavar="CONFIG",
+                          help="print the partition CONFIG (default: the built-in defaults) makes with --set and "
+                               "--scenario: each client's train/val/test sizes and training samples per class (a "
+                               "regression source: per target bin), the table behind a run's plots/partition.png")
+    datasets.add_argument("--set", nargs="+", metavar="KEY=VALUE", action="extend",
+                          help="dotted overrides with --show, e.g. data.source=fmnist data.partition.alpha=0.1")
+    datasets.add_argument("--scenario",
+                          help="with --show: start from a named scenario of search_spaces/scenarios.yaml")
+    datasets.add_argument("--max-clients", type=int, default=100, metavar="N",
+                          help="with --show: print the first N clients (0 = every one; default 100)")
     datasets.set_defaults(func=_cmd_datasets)
     from .tables.cli import add_arguments, run as run_table
 

@@ -12,6 +12,7 @@ Layout (YAML)::
     compression: {uplink: {name: qsgd, s: 7}, downlink: {name: none}, error_feedback: false, min_numel: 256}
     attack: {kind: none, fraction: 0.0, ...}          # Byzantine clients (pfl/federation/attacks.py)
     newcomers: {fraction: 0.0, rounds: 50, ...}       # clients that join after training (pfl/federation/newcomers.py)
+    evaluation: {when: [before, after], ...}          # evaluations beyond the default (pfl/federation/eval_modes.py)
 
 This module is plain typed data: the sections, YAML in and out, dotted overrides. Checks that need
 a registry (the method's hyperparameters, the data source, the model, the compressors) or that
@@ -206,6 +207,34 @@ class NewcomersConfig:
                     "(‖Δw‖ ≤ tol·‖w‖); 0 = always all rounds", low=0.0)
 
 
+FIT_WHEN = ("before", "after")
+UNTRAINED_MODELS = ("method", "personal", "global")
+
+
+@dataclass
+class EvaluationConfig:
+    """Evaluations beyond the default (pfl/federation/eval_modes.py); the defaults add nothing."""
+    when: list = hp(default_factory=list, doc="the round's sampled clients evaluated on their test splits around "
+                                              "their local update, every round: before (the model they start from: "
+                                              "fit/before/*) and/or after (the model they trained: fit/after/*); "
+                                              "[] = neither")
+    local_model: bool = hp(False, "at evaluation rounds, also each client's locally trained model (the one its last "
+                                  "local update produced, kept in its state) on its test split: local/test_*")
+    server_test: bool = hp(False, "the global model on the union of the evaluated clients' test splits as one "
+                                  "pooled set (every sample weighs the same): server/test_*")
+    trained_apart: bool = hp(False, "when some evaluated clients never trained, also report the trained clients' "
+                                    "test/trained/* and their count test/trained/clients (synchronous driver)")
+    untrained_model: str = hp("method", "what a client that never trained is evaluated with: its personal model "
+                                        "(personal), the global model it receives (global), or what the method "
+                                        "declares (method: Method.untrained_model)", choices=UNTRAINED_MODELS)
+
+    def validate(self, path: str) -> None:
+        bad = [w for w in self.when if w not in FIT_WHEN] if isinstance(self.when, list) else [self.when]
+        if bad or len(set(self.when)) != len(self.when):
+            raise ConfigError(f"{path}.when", f"{self.when!r} is not allowed; allowed: a list of distinct values "
+                                              f"from {', '.join(FIT_WHEN)} (e.g. [before, after]), or []")
+
+
 @dataclass
 class MethodConfig:
     """``name`` plus that method's hyperparameters, resolved to its dataclass by :func:`pfl.resolver.resolve`."""
@@ -237,7 +266,7 @@ class CompressionConfig:
 
 
 SECTIONS = ("seed", "plugins", "data", "model", "method", "federation", "tracking", "compression", "attack",
-            "newcomers")
+            "newcomers", "evaluation")
 
 
 @dataclass
@@ -252,6 +281,7 @@ class ExperimentConfig:
     compression: CompressionConfig = dataclasses.field(default_factory=CompressionConfig)
     attack: AttackConfig = dataclasses.field(default_factory=AttackConfig)
     newcomers: NewcomersConfig = dataclasses.field(default_factory=NewcomersConfig)
+    evaluation: EvaluationConfig = dataclasses.field(default_factory=EvaluationConfig)
 
     def to_dict(self) -> dict:
         return {
@@ -265,6 +295,7 @@ class ExperimentConfig:
             "compression": to_dict(self.compression),
             "attack": to_dict(self.attack),
             "newcomers": to_dict(self.newcomers),
+            "evaluation": to_dict(self.evaluation),
         }
 
     def to_yaml(self) -> str:
@@ -368,7 +399,7 @@ def config_notes(cfg: ExperimentConfig) -> list[str]:
 
 __all__ = [
     "ALL_CLIENTS", "ATTACK_KINDS", "AttackConfig", "CompressionConfig", "ConfigError", "DEFAULT_NUM_CLIENTS",
-    "DataConfig", "ExperimentConfig", "NUM_CLIENTS_ALLOWED",
+    "DataConfig", "EvaluationConfig", "ExperimentConfig", "FIT_WHEN", "NUM_CLIENTS_ALLOWED", "UNTRAINED_MODELS",
     "FederationConfig", "MethodConfig", "ModelConfig", "NewcomersConfig", "PartitionConfig", "SECTIONS",
     "TrackingConfig", "apply_overrides", "check", "config_notes", "parse_value", "parse_yaml_file", "read_yaml",
     "round_share",

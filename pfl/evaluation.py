@@ -12,6 +12,8 @@ Metric names (stable, logged to MLflow with ``step=round``):
 
 Evaluation runs on each client's side (:func:`evaluate_plan`, with the models its
 :class:`~pfl.methods.base.EvalPlan` names); :func:`summarize` turns the rows into the metrics.
+The ``evaluation`` config section's further evaluations (before/after local training, each client's
+local model, a pooled test set, the trained clients apart) are :mod:`pfl.federation.eval_modes`'.
 Every metric a run can report is listed by :mod:`pfl.metric_catalog`; clustering metrics
 (``cluster/num``, ``cluster/ari``) are :mod:`pfl.clusters`'.
 """

@@ -44,9 +44,28 @@ def reported_metrics(cfg) -> tuple[str, ...]:
         names.append("eval/clients")  # how many clients an evaluation covered (the sample, or everyone at the end)
     if cfg.federation.cohort != "sequential":
         names.append("cohort/sequential_clients")  # clients a batched cohort ran alone (pfl.federation.cohort)
+    names += evaluation_metrics(cfg.evaluation, task)
     if any(spec.name in ("fp16", "bf16") for spec in (cfg.compression.uplink, cfg.compression.downlink)):
         names.append("comm/fp16_flushed")  # pfl.compression.codec: non-zeros a half-precision encoding lost
     return tuple(dict.fromkeys(names))
+
+
+def evaluation_metrics(ev, task: str) -> list[str]:
+    """What the ``evaluation`` section adds (pfl/federation/eval_modes.py); nothing by default."""
+    score = "acc" if task == "classification" else "rmse"
+    names = []
+    for when in ev.when:  # fluke's pre-/post-fit: the round's sampled clients around their local update
+        names += [f"fit/{when}/test_{score}_mean", f"fit/{when}/test_loss_mean"]
+    if ev.when:
+        names.append("fit/clients")
+    if ev.local_model:  # each client's last locally trained model
+        names.append(f"local/test_{score}")
+    if ev.server_test:  # the global model on the union of the clients' test splits
+        names += [f"server/test_{score}", "server/test_loss"]
+    if ev.trained_apart:  # test/* over the clients that trained, and their count
+        names += ["test/trained/clients"]
+        names += [f"test/trained/{m[5:]}" for m in EVAL_METRICS[task] if m.startswith("test/")]
+    return names
 
 
 def metric_known(name: str, catalog: Sequence[str]) -> bool:
@@ -54,4 +73,4 @@ def metric_known(name: str, catalog: Sequence[str]) -> bool:
     return any(name == pattern or ("*" in pattern and fnmatch.fnmatchcase(name, pattern)) for pattern in catalog)
 
 
-__all__ = ["reported_metrics", "metric_known"]
+__all__ = ["evaluation_metrics", "reported_metrics", "metric_known"]

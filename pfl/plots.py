@@ -88,3 +88,33 @@ def plot_curves(curves: Mapping[str, tuple[Sequence[float], Sequence[float]]], p
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     return _finish(fig, ax, path, title, bool(curves))
+
+
+def plot_partition(view, path: str | Path, title: str = "") -> Path:
+    """The partition at a glance (:class:`pfl.data.glance.PartitionView`): a heat map of clients ×
+    classes (training samples; a regression source: × target bins, each row its client's target
+    histogram) beside each client's split sizes as stacked bars."""
+    m = view.num_clients
+    height = min(12.0, 2.4 + 0.12 * m)
+    fig, (heat, bars) = plt.subplots(1, 2, figsize=(10.0, height), dpi=100, sharey=True,
+                                     gridspec_kw={"width_ratios": [3, 1.3]})
+    image = heat.imshow(view.counts, aspect="auto", interpolation="nearest", cmap="viridis")
+    fig.colorbar(image, ax=heat, fraction=0.04, pad=0.02, label="training samples")
+    heat.set_xlabel("class" if view.task == "classification" else "training target (bin)")
+    heat.set_ylabel("client")
+    heat.set_xticks(range(len(view.columns)))
+    heat.set_xticklabels(view.columns, rotation=90 if view.task != "classification" or len(view.columns) > 20
+                         else 0, fontsize="small" if len(view.columns) <= 20 else "xx-small")
+    heat.yaxis.set_major_locator(MaxNLocator(integer=True))
+    heat.set_title(view.what)
+    left = view.sizes[:, 0] * 0
+    for j, (split, style) in enumerate(zip(("train", "val", "test"), line_styles())):
+        if m <= 200:
+            bars.barh(range(m), view.sizes[:, j], left=left, color=style["color"], label=split, height=0.8)
+        else:  # a large population: filled bands, not one bar artist per client
+            bars.fill_betweenx(range(m), left, left + view.sizes[:, j], step="mid", color=style["color"], label=split)
+        left = left + view.sizes[:, j]
+    bars.set_xlabel("samples")
+    bars.set_title("client sizes")
+    fig.suptitle(title or f"{view.source}: {view.kind} partition, {m} clients")
+    return _finish(fig, bars, path, "", True)

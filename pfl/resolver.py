@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from .compression.checks import check_method_compression, resolve_compression
-from .config import (SECTIONS, AttackConfig, CompressionConfig, DataConfig, ExperimentConfig, FederationConfig,
-                     ModelConfig, NewcomersConfig, TrackingConfig, apply_overrides, read_yaml, round_share)
+from .config import (SECTIONS, AttackConfig, CompressionConfig, DataConfig, EvaluationConfig, ExperimentConfig,
+                     FederationConfig, ModelConfig, NewcomersConfig, TrackingConfig, apply_overrides, read_yaml,
+                     round_share)
 from .data import resolve_data_config
 from .federation import attacks  # noqa: F401  (registers the attack stage)
 from .federation.wire import stage_names
@@ -54,8 +55,10 @@ def resolve(raw: dict | None) -> ExperimentConfig:
     resolve_compression(compression)
     attack = from_dict(AttackConfig, raw.get("attack"), "attack")
     newcomers = from_dict(NewcomersConfig, raw.get("newcomers"), "newcomers")
+    evaluation = from_dict(EvaluationConfig, raw.get("evaluation"), "evaluation")
     cfg = ExperimentConfig(seed=seed, plugins=plugins, data=data, model=model, method=method, federation=federation,
-                           tracking=tracking, compression=compression, attack=attack, newcomers=newcomers)
+                           tracking=tracking, compression=compression, attack=attack, newcomers=newcomers,
+                           evaluation=evaluation)
     resolve_model_config(cfg)
     names = stage_names()
     if sorted(federation.stages) != sorted(names):
@@ -67,6 +70,10 @@ def resolve(raw: dict | None) -> ExperimentConfig:
         able = ", ".join(m.name for m in list_methods() if m.supports_async)
         raise ConfigError("federation.driver", f"method {name!r} has no asynchronous form; "
                                                f"'async' is allowed for: {able}")
+    if federation.driver == "async" and (evaluation.when or evaluation.local_model or evaluation.trained_apart):
+        key = "when" if evaluation.when else "local_model" if evaluation.local_model else "trained_apart"
+        raise ConfigError(f"evaluation.{key}", "evaluates around synchronous rounds; with federation.driver=async "
+                                               "allowed: evaluation.when=[], local_model=false, trained_apart=false")
     return cfg
 
 

@@ -13,10 +13,14 @@ copying the loop:
 * ``post_step(params)``: runs after every step under ``no_grad`` (proximal maps: L1 prox-SGD);
 * ``forward(params, x)``: a custom forward (FedSLR's w + P, mixed models);
 * ``trainable``: which names get gradients (FedRep's head-then-body epochs, frozen GKR).
+
+Running statistics (BatchNorm's, :func:`pfl.models.functional.state_buffers`) are dict entries too, never
+trained: training's train-mode forward updates them in the dict, never in the module; evaluation runs in eval mode.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -25,6 +29,8 @@ from typing import Callable, Iterable, Mapping
 import torch
 import torch.nn.functional as F
 from torch.func import functional_call
+
+from .models.functional import buffer_names, in_mode, lend_statistics, on_names
 
 Params = dict[str, torch.Tensor]
 
@@ -77,11 +83,12 @@ def batch_indices(n: int, batch_size: int, epochs: int, steps: int | None,
 
 
 def batches(x: torch.Tensor, y: torch.Tensor, batch_size: int, epochs: int, steps: int | None,
-            generator: torch.Generator | None) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
+            generator: torch.Generator | None, min_size: int = 1) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
     """The minibatches of :func:`batch_indices`' order as contiguous slices of each epoch's shuffled
-    copy of (x, y): one gather per epoch instead of one per step, the same samples in the same order."""
+    copy of (x, y): one gather per epoch instead of one per step, the same samples in the same order;
+    one of fewer than ``min_size`` samples is skipped, its step used up (BatchNorm needs 2)."""
     n = len(y)
-    if n == 0:
+    if n < min_size:
         return
     if batch_size <= 0 or batch_size >= n:
         for _ in range(steps if steps is not None else epochs):
@@ -95,7 +102,8 @@ def batches(x: torch.Tensor, y: torch.Tensor, batch_size: int, epochs: int, step
         for start in range(0, n, batch_size):
             if done >= total:
                 return
-            yield xs[start:start + batch_size], ys[start:start + batch_size]
+            if min(batch_size, n - start) >= min_size:
+                yield xs[start:start + batch_size], ys[start:start + batch_size]
             done += 1
 
 
@@ -130,22 +138,29 @@ def local_sgd(
     losses are summed on the device and read once at the end (no host synchronisation per step).
     """
     names = list(params)
-    train_names = list(names if trainable is None else [n for n in names if n in set(trainable)])
+    buffers = buffer_names(model)
+    train_names = [n for n in names if n not in buffers and (trainable is None or n in set(trainable))]
     state: Params = {k: v.detach().clone() for k, v in params.items()}
-    own = _own_parameters(model, state) if forward is None and loss is None else None
-    if own is None:  # parameters the module does not hold, or a custom forward: the functional call
-        for k in train_names:
-            state[k].requires_grad_(True)
-        fwd = forward or (lambda p, xb: functional_call(model, p, (xb,)))
-        count, total_loss = _sgd(state, fwd, x, y, train_names, lr, epochs, steps, batch_size, task, generator,
-                                 momentum, weight_decay, extra_loss, grad_hook, post_step, loss)
-    else:
-        # the module's own parameters train on ``state``'s storage: a plain module call, no
-        # re-binding of every parameter at every forward (what functional_call does)
-        with _bound(own, state, train_names) as live:
-            count, total_loss = _sgd(live, lambda p, xb: model(xb), x, y, train_names, lr, epochs, steps,
-                                     batch_size, task, generator, momentum, weight_decay, extra_loss, grad_hook,
-                                     post_step, None)
+    live = lend_statistics(model, state) if buffers else state
+    if buffers and post_step is not None:  # a proximal map acts on parameters, never on statistics
+        post_step = functools.partial(on_names, post_step, [k for k in names if k not in buffers])
+    # statistics: never the bound module call, whose forward would write the module's own buffers
+    own = _own_parameters(model, state) if forward is None and loss is None and not buffers else None
+    with in_mode(model, train=True):
+        if own is None:  # parameters the module does not hold, or a custom forward: the functional call
+            for k in train_names:
+                state[k].requires_grad_(True)
+            fwd = forward or (lambda p, xb: functional_call(model, p, (xb,)))
+            count, total_loss = _sgd(live, fwd, x, y, train_names, lr, epochs, steps, batch_size, task, generator,
+                                     momentum, weight_decay, extra_loss, grad_hook, post_step, loss,
+                                     2 if buffers else 1)
+        else:
+            # the module's own parameters train on ``state``'s storage: a plain module call, no
+            # re-binding of every parameter at every forward (what functional_call does)
+            with _bound(own, state, train_names) as live:
+                count, total_loss = _sgd(live, lambda p, xb: model(xb), x, y, train_names, lr, epochs, steps,
+                                         batch_size, task, generator, momentum, weight_decay, extra_loss,
+                                         grad_hook, post_step, None)
     out = {k: handed_over(v.detach()) for k, v in state.items()}
     return TrainResult(out, count, float(total_loss) / max(count, 1))
 
@@ -193,14 +208,14 @@ def _bound(own: dict, state: Params, train_names: list[str]):
 
 
 def _sgd(state: Params, fwd, x, y, train_names, lr, epochs, steps, batch_size, task, generator, momentum,
-         weight_decay, extra_loss, grad_hook, post_step, loss) -> tuple[int, torch.Tensor]:
+         weight_decay, extra_loss, grad_hook, post_step, loss, min_size=1) -> tuple[int, torch.Tensor]:
     """The loop of :func:`local_sgd` on the leaf tensors ``state`` (updated in place); returns the
-    step count and the summed batch losses."""
+    step count and the summed batch losses (``min_size``: see :func:`batches`)."""
     criterion = loss_fn(task)
     velocity: Params = {}
     leaves = [state[k] for k in train_names]
     total_loss, count = torch.zeros((), device=x.device), 0
-    for xb, yb in batches(x, y, batch_size, epochs, steps, generator):
+    for xb, yb in batches(x, y, batch_size, epochs, steps, generator, min_size):
         value = loss(state, xb, yb).mean() if loss is not None else criterion(fwd(state, xb), yb)
         total_loss += value.detach()
         if extra_loss is not None:
@@ -342,12 +357,14 @@ class Clamp(Term):
 @dataclass
 class AddToParams(Term):
     """``forward``: the model evaluated at ``params + offset`` (FedSLR's personal part P trained on
-    top of the frozen global model: the forward pass sees w + P)."""
+    top of the frozen global model: the forward pass sees w + P; statistics do not add: P's own)."""
     model: torch.nn.Module
     offset: Params
 
     def __call__(self, params: Params, x: torch.Tensor) -> torch.Tensor:
-        return functional_call(self.model, {k: self.offset[k] + params[k] for k in self.offset}, (x,))
+        stats = buffer_names(self.model)
+        return functional_call(self.model, {k: (params[k] if k in stats else self.offset[k] + params[k])
+                                            for k in self.offset}, (x,))
 
 
 def proximal_pull(anchor: Mapping[str, torch.Tensor], weight: float) -> PullTo:
@@ -396,14 +413,15 @@ def evaluate(model: torch.nn.Module, params: Mapping[str, torch.Tensor], x: torc
         return EvalResult(float("nan"), float("nan"), 0)
     fwd = forward or (lambda p, xb: functional_call(model, p, (xb,)))
     loss_sum, correct = 0.0, 0
-    for start in range(0, n, batch_size):
-        xb, yb = x[start:start + batch_size], y[start:start + batch_size]
-        out = fwd(dict(params), xb)
-        if task == "classification":
-            loss_sum += float(F.cross_entropy(out, yb, reduction="sum"))
-            correct += int((out.argmax(dim=1) == yb).sum())
-        else:
-            loss_sum += float(F.mse_loss(out.reshape(yb.shape), yb, reduction="sum"))
+    with in_mode(model, train=False):  # BatchNorm by the dict's statistics, writing nothing
+        for start in range(0, n, batch_size):
+            xb, yb = x[start:start + batch_size], y[start:start + batch_size]
+            out = fwd(dict(params), xb)
+            if task == "classification":
+                loss_sum += float(F.cross_entropy(out, yb, reduction="sum"))
+                correct += int((out.argmax(dim=1) == yb).sum())
+            else:
+                loss_sum += float(F.mse_loss(out.reshape(yb.shape), yb, reduction="sum"))
     acc = correct / n if task == "classification" else float("nan")
     return EvalResult(loss_sum / n, acc, n)
 
@@ -420,10 +438,12 @@ def batch_gradient(model: torch.nn.Module, params: Mapping[str, torch.Tensor], x
     if 0 < batch_size < n:
         idx = torch.randperm(n, generator=generator)[:batch_size].to(x.device)
         x, y = x[idx], y[idx]
-    leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
-    loss = loss_fn(task)(functional_call(model, leaves, (x,)), y)
+    stats = buffer_names(model)  # updated by the forward pass, never differentiated: a zero "gradient"
+    leaves = {k: v.detach().requires_grad_(True) for k, v in params.items() if k not in stats}
+    loss = loss_fn(task)(functional_call(model, {**params, **leaves}, (x,)), y)
     grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
     out = {k: (g if g is not None else torch.zeros_like(leaves[k])).detach() for k, g in zip(leaves, grads)}
+    out = {k: out.get(k, torch.zeros_like(v)) for k, v in params.items()}
     if weight_decay:
         out = {k: g + weight_decay * params[k].detach() for k, g in out.items()}
     return out, float(loss.detach())

@@ -143,14 +143,10 @@ class TailAccuracy(Callback):
 
 
 def scenario_base(scenario: str) -> dict:
-    """The scenario's dotted config (S1 from reproduce_fpfc.py, label swap from scenarios.yaml)."""
-    if scenario == "s1":
-        from reproduce_fpfc import S1
-
-        return dict(S1)
+    """The scenario's dotted config (S1 as FPFC's Table 1, label swap; scenarios.yaml)."""
     from pfl.tune.space import load_scenario
 
-    return load_scenario(scenario)
+    return load_scenario("fpfc_s1_table1" if scenario == "s1" else scenario)
 
 
 def entry_overrides(entry: str, scenario: str, preset: dict) -> dict:

@@ -39,8 +39,8 @@ def _model(name, params, shape, classes, seed=0):
 
 def test_registry_lists_every_model():
     names = [spec.name for spec in list_models()]
-    assert names == ["softmax_regression", "linear_regression", "mlp", "cnn_fpfc", "cnn_fedavg",
-                     "resnet18_gn", "vgg11", "vgg13"]
+    assert names == ["softmax_regression", "linear_regression", "mlp", "cnn_fpfc", "cnn_fedavg", "cnn_bn",
+                     "resnet18_bn", "resnet18_gn", "vgg11", "vgg13"]
     for spec in list_models():
         assert spec.description and spec.inputs
         spec.params()  # every field has a default
@@ -52,6 +52,25 @@ def test_forward_shape_and_no_buffers(name, params, shape, classes):
     out = model(torch.rand(2, *shape))
     assert out.shape == ((2,) if name == "linear_regression" else (2, classes))
     assert list(model.buffers()) == []
+
+
+@pytest.mark.parametrize("name,params,shape", [("cnn_bn", {"channels": [4, 8], "hidden": 16}, (64,)),
+                                               ("resnet18_bn", {"width": 0.125}, (3, 32, 32))])
+def test_batchnorm_models_carry_their_statistics_after_their_parameters(name, params, shape):
+    from pfl.models.functional import state_buffers
+
+    model = _model(name, params, shape, 10)
+    assert model(torch.rand(2, *shape)).shape == (2, 10)
+    stats = state_buffers(model)
+    assert stats and all(s.rpartition(".")[2] in ("running_mean", "running_var", "num_batches_tracked") for s in stats)
+    fresh = init_params(model, torch.Generator().manual_seed(0))
+    names = [n for n, _ in model.named_parameters()]
+    assert list(fresh) == names + stats                     # parameters first, then the statistics
+    assert fresh[stats[2]].dtype == torch.int64 and int(fresh[stats[2]]) == 0
+    assert torch.equal(fresh[stats[1]], torch.ones_like(fresh[stats[1]]))  # a fresh variance is 1
+    assert sorted(layer_groups(model).names) == sorted(names)  # units cover the parameters only
+    if name == "resnet18_bn":  # the GroupNorm network's parameters, norm for norm
+        assert num_params(model) == num_params(_model("resnet18_gn", params, shape, 10))
 
 
 def test_flat_images_are_reshaped():

@@ -186,7 +186,6 @@ def test_modules_without_an_init_rule_are_seeded_by_their_own_reset(code):
 
 
 @pytest.mark.parametrize("target, words", [
-    ("WithBatchNorm", ["layer 'norm' (BatchNorm1d)", "GroupNorm"]),
     ("RunningMean", ["buffer 'seen' changes"]),
     ("WrongOutput", ["returns (8, 3)", "(8, 10)"]),
     ("NotAModule", ["not a torch.nn.Module"]),
@@ -199,6 +198,19 @@ def test_bad_models_are_refused_before_training(code, target, words):
         Simulator(run_cfg(model__name=f"{code}/my_model.py:{target}"))
     text = str(err.value)
     assert err.value.field == "model.name" and "\n" not in text and all(w in text for w in words), text
+
+
+def test_your_batchnorm_model_runs_and_its_statistics_are_federated(code):
+    """Issue 43: BatchNorm is no longer refused; its running statistics are entries of the model
+    dict that FedAvg averages (and the module's own buffers are never written)."""
+    from pfl.callbacks.divergence import run_rounds
+    from pfl.federation.simulator import Simulator
+
+    sim = Simulator(run_cfg(model__name=f"{code}/my_model.py:WithBatchNorm", federation__rounds=1))
+    run_rounds(sim)
+    glob = sim.method.global_model
+    assert glob["norm.num_batches_tracked"] > 0 and not torch.equal(glob["norm.running_mean"], torch.zeros(16))
+    assert torch.equal(sim.ctx.model.norm.running_mean, torch.zeros(16))  # the shared module untouched
 
 
 def test_a_model_file_that_does_not_import_names_the_file_and_the_error(tmp_path):

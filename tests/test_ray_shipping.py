@@ -159,7 +159,7 @@ def test_runtime_env_stages_what_a_config_reads(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("fixed, field, words", [
     ({"model.name": "my_model.py:WrongOutput"}, "model.name", ["returns (8, 3)"]),
-    ({"model.name": "my_model.py:WithBatchNorm"}, "model.name", ["BatchNorm1d", "GroupNorm"]),
+    ({"model.name": "my_model.py:RunningMean"}, "model.name", ["buffer 'seen' changes"]),
     ({"plugins": ["missing_method.py"]}, "plugins[0]", ["no such file"]),
     ({"data.params.path": "nope.parquet"}, "data.params.path", ["no such file"]),
 ])

@@ -2,11 +2,12 @@
 
 ``step`` of every metric is the number of rounds computed so far (round 20 on the console is step
 20). On resume the run continues the same MLflow run (its id is part of the checkpoint) and rounds
-whose step is already logged are not logged again. At the end of a finished run: ``config.yaml``,
-``client_metrics.csv``, ``plots/accuracy_vs_round.png``, ``plots/accuracy_vs_bytes.png``,
-``model/model_state.pt``, the method's artifacts, the run's ``attack_malicious.csv`` /
-``newcomers.csv`` (when it has malicious clients / newcomers), the other callbacks' artifacts and
-the loop's summary metrics (the newcomers' ``newcomer/*`` among them); a run that did not finish
+whose step is already logged are not logged again. At the start of a new run:
+``plots/partition.png`` (clients × classes and client sizes, :mod:`pfl.data.glance`). At the end
+of a finished run: ``config.yaml``, ``client_metrics.csv``, ``plots/accuracy_vs_round.png``,
+``plots/accuracy_vs_bytes.png``, ``model/model_state.pt``, the method's artifacts, the run's
+``attack_malicious.csv`` / ``newcomers.csv`` (when it has malicious clients / newcomers), the other
+callbacks' artifacts and the loop's summary metrics (the newcomers' ``newcomer/*`` among them); a run that did not finish
 gets its reason as the tag ``pfl.failure``.
 """
 
@@ -81,6 +82,17 @@ def write_run_artifacts(sim, outdir: Path) -> list[tuple[Path, str | None]]:
     return files
 
 
+def write_partition_plot(sim, outdir: Path) -> Path:
+    """``partition.png``: the run's clients × classes (a regression source: target histograms) and
+    client sizes (:mod:`pfl.data.glance`)."""
+    from ..data.glance import partition_view
+    from ..plots import plot_partition
+
+    cfg = sim.cfg
+    return plot_partition(partition_view(sim.data), outdir / "partition.png",
+                          title=f"{cfg.data.source}: {cfg.data.partition.kind} partition, {sim.num_clients} clients")
+
+
 class MLflowLogger(Callback):
     """``open_run(run_id or None)`` opens the MLflow run (a new one, or the checkpoint's)."""
 
@@ -107,6 +119,9 @@ class MLflowLogger(Callback):
         self.logged_until = self.tracker.last_step("time/elapsed_s") if self.tracker.resumed else 0
         if hasattr(sim, "data_load_s"):  # this process's loading of the data, before its first round
             self.tracker.log_metrics({"time/data_load_s": sim.data_load_s}, step=sim.executed)
+        if not self.tracker.resumed and hasattr(sim, "data") and load_settings()["log"].get("plots", True):
+            with tempfile.TemporaryDirectory() as tmp:  # the partition at a glance, before the first round
+                self.tracker.log_artifact(write_partition_plot(sim, Path(tmp)), "plots")
         if self.announce:
             self.announce(f"MLflow run {self.run_id} ({sim.cfg.method.name} on {sim.cfg.data.source}, "
                           f"{sim.num_clients} clients, {sim.cfg.federation.rounds} rounds)")

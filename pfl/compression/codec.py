@@ -7,7 +7,9 @@ are never compressed). What it does with an entry follows the *declared kind* of
 
 **What is compressed.** Per tensor: floating tensors of at least ``min_numel`` entries
 (``compression.min_numel``, default 256) in every part but ``Scalars``; smaller ones, integer
-tensors and structured payloads (FedSLR's factor pairs) travel as they are. Each encoded tensor
+tensors, a model's running statistics (BatchNorm's, named as the model names them: a variance
+must stay positive and they are two numbers a channel) and structured payloads (FedSLR's factor
+pairs) travel as they are. Each encoded tensor
 costs its :class:`~pfl.federation.messages.Encoded` payload's bits; the ledger counts those.
 
 **Downlink: the change to the client's copy.** For a part the receiver keeps (``Model``, ``State``)
@@ -45,13 +47,14 @@ objects and :func:`encode_update`; the codec passes their uplink through unchang
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Collection, Mapping
 
 import torch
 
 from ..federation.messages import Encoded, Entry, Message, Model, Part, Payload
 from ..federation.store import ClientMemory, LocalMemory
 from ..federation.wire import Only, Phase, Stage, register_stage
+from ..models.functional import buffer_names
 from .compressors import Compressor, HalfPrecision, Identity, build, contractive
 
 if TYPE_CHECKING:
@@ -63,8 +66,11 @@ Params = dict[str, torch.Tensor]
 GeneratorFor = Callable[[str], torch.Generator]
 
 
-def compressible(t: object, min_numel: int) -> bool:
-    return isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() >= max(min_numel, 1)
+def compressible(t: object, min_numel: int, name: str = "", dense: Collection[str] = ()) -> bool:
+    """Whether entry ``name`` (``part/entry`` or ``entry``) is encoded; ``dense``: entry names sent as
+    they are whatever their size (a model's running statistics)."""
+    return (isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() >= max(min_numel, 1)
+            and not (dense and name.rpartition("/")[2] in dense))
 
 
 def has_reference(t: torch.Tensor, ref: torch.Tensor | None) -> bool:
@@ -86,20 +92,20 @@ def compress_tensor(comp: Compressor, t: torch.Tensor, gen: torch.Generator | No
 
 def encode_update(comp: Compressor | None, tensors: Mapping[str, Entry], reference: Mapping[str, torch.Tensor] | None,
                   generator: GeneratorFor, min_numel: int = 256, memory: dict[str, torch.Tensor] | None = None,
-                  flushed: list[int] | None = None) -> tuple[dict[str, Entry], Params]:
+                  flushed: list[int] | None = None, dense: Collection[str] = ()) -> tuple[dict[str, Entry], Params]:
     """Encode ``tensors``, each as the change to its ``reference`` tensor where it has one.
 
     Returns the entries (Encoded payloads whose ``decoded`` is the decoded change, or the decoded
     value where there is no reference; other entries unchanged) and what the receiver will
     reconstruct for every entry. ``memory`` (error feedback) is updated in place; ``flushed``
     accumulates [non-zeros sent as 0, non-zeros] of a half-precision encoding. ``comp=None`` sends
-    everything as it is.
+    everything as it is, and so are the entries named in ``dense``.
     """
     reference = reference or {}
     entries: dict[str, Entry] = {}
     values: Params = {}
     for name, t in tensors.items():
-        if comp is None or not compressible(t, min_numel):
+        if comp is None or not compressible(t, min_numel, name, dense):
             entries[name] = t
             if isinstance(t, (torch.Tensor, Payload)):
                 values[name] = t if isinstance(t, torch.Tensor) else t.dense()
@@ -186,6 +192,8 @@ class Codec(Stage):
     def __init__(self, cfg, ctx, own_uplink: bool = False):
         self.ctx = ctx
         self.min_numel = int(cfg.min_numel)
+        model = getattr(ctx, "model", None)  # running statistics: always sent as they are
+        self.dense = buffer_names(model) if model is not None else frozenset()
         self.error_feedback = bool(cfg.error_feedback)
         up = None if own_uplink else build(cfg.uplink)
         self.up = contractive(up) if up is not None and self.error_feedback else up
@@ -241,14 +249,14 @@ class Codec(Stage):
                 continue
             if not part.held:
                 entries, _ = encode_update(self.down_values, _flat(pname, part.entries), None, gen, self.min_numel,
-                                           flushed=self._flushed)
+                                           flushed=self._flushed, dense=self.dense)
                 parts[pname] = part.replace(_unflat(pname, entries))
                 continue
             entries: dict[str, Entry] = {}
             for name, t in part.entries.items():
                 key = f"{pname}/{name}"
                 ref = mirror.get(key)
-                if not compressible(t, self.min_numel):
+                if not compressible(t, self.min_numel, name, self.dense):
                     entries[name] = t
                 elif not has_reference(t, ref):
                     entries[name] = t
@@ -278,7 +286,7 @@ class Codec(Stage):
                     elif isinstance(e, Encoded):
                         entries[name] = e.decoded
                     else:
-                        if part.held and compressible(e, self.min_numel):
+                        if part.held and compressible(e, self.min_numel, name, self.dense):
                             replica[key] = e.detach().clone()
                         entries[name] = e
                 parts[pname] = part.replace(entries)
@@ -325,7 +333,7 @@ class Codec(Stage):
                 continue
             reference = _flat(pname, self.base(pname, part, received)) if isinstance(part, Model) else None
             entries, _ = encode_update(self.up, _flat(pname, part.entries), reference, gen, self.min_numel, memory,
-                                       self._flushed)
+                                       self._flushed, dense=self.dense)
             parts[pname] = part.replace(_unflat(pname, entries))
         return msg.replace(parts)
 
@@ -339,7 +347,7 @@ class Codec(Stage):
                                f"trip's downlink ({sorted(received)}); a model must name the downlink part it "
                                "started from or is close to (or be sent as an Update)")
         missing = [k for k, t in part.entries.items()
-                   if compressible(t, self.min_numel) and not has_reference(t, ref.get(k))]
+                   if compressible(t, self.min_numel, k, self.dense) and not has_reference(t, ref.get(k))]
         if missing:
             raise RuntimeError(f"uplink part {pname!r}: entries {missing} have no tensor of the same shape in its "
                                f"base part {name!r}")

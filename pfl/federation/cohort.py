@@ -178,6 +178,28 @@ class Cohort:
                         "declare cohort='sequential')", self.method, cid, what)
 
 
+_SAID_STATISTICS = False
+
+
+def batches_model(model: Any) -> bool:
+    """Whether ``model``'s clients may run in a vectorized cohort: not when it keeps running
+    statistics (BatchNorm). A batched group pads its clients' minibatches to one width and masks the
+    padding out of the loss, but a BatchNorm layer's batch mean and variance take the padding in: a
+    batched step would not compute what the client's own step computes (a client's statistics 0.02
+    off after two steps: tests/test_truth_buffers.py). Such a run uses the sequential cohort, said
+    once per process (a sweep's trials would repeat it)."""
+    from ..models.functional import buffer_names
+
+    global _SAID_STATISTICS
+    if not buffer_names(model):
+        return True
+    if not _SAID_STATISTICS:
+        _SAID_STATISTICS = True
+        log.warning("the model keeps running statistics (BatchNorm): its clients run in the sequential cohort "
+                    "(a batched group's padding would enter BatchNorm's batch statistics; pfl/federation/cohort.py)")
+    return False
+
+
 def chunks(items: Sequence[int], size: int) -> list[list[int]]:
     """``items`` in pieces of at most ``size`` (0: one piece)."""
     if not size or size >= len(items):
@@ -185,4 +207,4 @@ def chunks(items: Sequence[int], size: int) -> list[list[int]]:
     return [list(items[i:i + size]) for i in range(0, len(items), size)]
 
 
-__all__ = ["Cohort", "Compute", "DIRECT", "Direct", "Job", "Sequential", "chunks"]
+__all__ = ["Cohort", "Compute", "DIRECT", "Direct", "Job", "Sequential", "batches_model", "chunks"]

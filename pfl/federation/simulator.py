@@ -36,13 +36,15 @@ from ..models.custom import prepare_model
 from ..schema import from_dict, to_dict
 from ..server_memory import check_server_memory, declares_memory, model_size
 from . import attacks  # noqa: F401  (registers the attack stage)
-from .cohort import DIRECT, Cohort, Compute, Sequential
+from . import eval_modes
+from .cohort import DIRECT, Cohort, Compute, Sequential, batches_model
 from .comm import CommLedger
 from .context import FederationMeta, RunContext
 from .diskstore import DiskStore
 from .exchange import Exchange, Phase
 from .messages import Message
 from .newcomers import newcomer_clients
+from .pooled import Measurement, Pool
 from .population import Population
 from .state import clone, to_device, tree_map
 from .store import ClientStore, memory_store, plan_store, release_heap, state_estimate
@@ -105,6 +107,7 @@ class Simulator:
         # for training and evaluation alike (pipelines/bench_cohort.py)
         self.vectorized = fed.cohort == "vectorized" or (
             fed.cohort == "auto" and method_cls.cohort == "vectorized" and self.device.type == "cuda")
+        self.vectorized = self.vectorized and batches_model(model)  # BatchNorm: sequential, said once
         self.ledger = CommLedger()
         # the run's stages in declared order (federation.stages), then any a caller adds
         chain = build_stages(cfg, self.ctx, self.method)
@@ -121,6 +124,10 @@ class Simulator:
                   if self.vectorized else Sequential())
         self.exchange = Exchange(self.wire, self.store, runner, self._handle, window=self.plan.window,
                                  prefetch=self._next_window if self.plan.window else None)
+        self.eval_exchange: Exchange | Measurement = self.exchange  # what evaluations go through
+        if method_cls.pooled:  # a reference row: the pooled training data, nothing sent (pfl.federation.pooled)
+            self.method.attach_pool(Pool(self.data, self.ctx.members))  # type: ignore[attr-defined]
+            self.eval_exchange = Measurement(self.store, self._handle)
 
     def _make_store(self, model: torch.nn.Module) -> ClientStore:
         """The client-state store ``federation.client_store`` asks for (:func:`.store.plan_store`)."""
@@ -191,7 +198,8 @@ class Simulator:
 
     def training_side(self, rnd: int) -> ClientSide:
         """The client side of a training exchange: the method's local update."""
-        return lambda client, msg: (self.client_role.local_update(rnd, client, msg), None)
+        side: ClientSide = lambda client, msg: (self.client_role.local_update(rnd, client, msg), None)  # noqa: E731
+        return eval_modes.fit_side(self, rnd, side)  # evaluation.when, local_model: evaluations around it
 
     # ---- one round -----------------------------------------------------------------------------
     def run_round(self, evaluate: bool | None = None) -> dict[str, float]:
@@ -203,8 +211,11 @@ class Simulator:
         self.method.begin_round(rnd, sampled)
         replies: dict[int, Message] = {}
         losses: list[float] = []
+        fits: list[dict] = []   # evaluation.when's rows (pfl.federation.eval_modes)
 
         def receive(arrival) -> None:
+            if arrival.local is not None:
+                fits.append(arrival.local)
             if arrival.reply is not None:
                 # the method may fold the reply in now (a running sum) and keep only its control data
                 replies[arrival.cid] = self.method.receive(rnd, arrival.cid, arrival.reply)
@@ -214,7 +225,8 @@ class Simulator:
         self.exchange(Phase("train", rnd), sampled, lambda cid: self.method.broadcast(rnd, cid),
                       self.training_side(rnd), receive)
         self.method.aggregate(rnd, replies)
-        return self.close_round(rnd, start, losses, self.ctx.lr(rnd), evaluate=evaluate)
+        return self.close_round(rnd, start, losses, self.ctx.lr(rnd), eval_modes.fit_metrics(self, fits),
+                                evaluate=evaluate)
 
     def close_round(self, rnd: int, start: float, losses: list[float], lr: float,
                     extra: dict[str, float] | None = None, evaluate: bool | None = None) -> dict[str, float]:
@@ -259,17 +271,18 @@ class Simulator:
         cids = self.population.evaluated(self.newcomers_joined, final)
 
         def plan_and_row(client: ClientHandle, msg: Message | None):
-            plan = self.client_role.eval_plan(rnd, client, msg)
+            plan = eval_modes.adjust_plan(self, client, self.client_role.eval_plan(rnd, client, msg))
             return plan.reply, evaluate_plan(client, plan, task, with_global)
 
-        arrivals = self.exchange(Phase("eval", rnd), cids, lambda cid: self.method.eval_message(rnd, cid),
-                                 plan_and_row)
+        arrivals = self.eval_exchange(Phase("eval", rnd), cids, lambda cid: self.method.eval_message(rnd, cid),
+                                      plan_and_row)
         replies = {cid: arrivals[cid].reply for cid in cids if arrivals[cid].reply is not None}
         rows = [self.population.mark(arrivals[cid].local) for cid in cids]
         self.method.eval_aggregate(rnd, replies)
         self.last_client_table = rows
         summarized = self.summary_rows(rows)
         metrics = summarize(summarized, task)
+        metrics.update(eval_modes.eval_metrics(self, summarized))  # evaluation.server_test, trained_apart
         if self.malicious:
             metrics["attack/benign_clients"] = float(len(summarized))
         if self.cfg.federation.eval_clients:
@@ -297,7 +310,7 @@ class Simulator:
         def test(client: ClientHandle, msg: Message):  # nothing goes back: the row is the client's measurement
             return None, evaluate_plan(client, EvalPlan(msg.tensors()), task, False)
 
-        arrivals = self.exchange(Phase("eval", rnd), cids, lambda cid: Message.model(model_of(cid)), test)
+        arrivals = self.eval_exchange(Phase("eval", rnd), cids, lambda cid: Message.model(model_of(cid)), test)
         summary = summarize(self.summary_rows([self.population.mark(arrivals[cid].local) for cid in cids]), task)
         if task == "classification":
             return {f"{name}_acc": summary["test/acc_mean"]} if "test/acc_mean" in summary else {}
@@ -317,8 +330,8 @@ class Simulator:
             return plan.reply, plan.personal
 
         stream = None if receive is None else (lambda arrival: receive(arrival.cid, arrival.local))
-        arrivals = self.exchange(Phase("eval", rnd), cids, lambda cid: self.method.eval_message(rnd, cid), personal,
-                                 stream)
+        arrivals = self.eval_exchange(Phase("eval", rnd), cids, lambda cid: self.method.eval_message(rnd, cid),
+                                      personal, stream)
         return {cid: arrivals[cid].local for cid in cids} if receive is None else {}
 
     def personal_params(self, cid: int) -> dict[str, torch.Tensor]:

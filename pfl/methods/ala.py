@@ -238,7 +238,7 @@ def params_digest(params: Mapping[str, torch.Tensor]) -> str:
     h = hashlib.blake2b(digest_size=16)
     for k in sorted(params):
         h.update(k.encode())
-        h.update(params[k].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(params[k].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 

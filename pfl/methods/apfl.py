@@ -29,6 +29,7 @@ import torch
 from torch.func import functional_call
 
 from ..federation.messages import Message
+from ..models.functional import buffer_names
 from ..schema import hp
 from ..training import Clamp, Params, Term, per_sample_loss
 from . import register
@@ -55,16 +56,18 @@ def _part(state: Params, prefix: str) -> Params:
     return {k[n:]: v for k, v in state.items() if k.startswith(prefix)}
 
 
-def mixed_params(v: Params, w: Params, alpha: torch.Tensor | float) -> Params:
-    """α v + (1 − α) w per tensor."""
-    return {k: alpha * v[k] + (1 - alpha) * w[k] for k in w}
+def mixed_params(v: Params, w: Params, alpha: torch.Tensor | float, stats: frozenset = frozenset()) -> Params:
+    """α v + (1 − α) w per tensor; running statistics (``stats``) are mixed with α held constant
+    (BatchNorm differentiates nothing through them)."""
+    a = alpha.detach() if stats and isinstance(alpha, torch.Tensor) else alpha
+    return {k: (a * v[k] + (1 - a) * w[k] if k in stats else alpha * v[k] + (1 - alpha) * w[k]) for k in w}
 
 
 def mixed_output(model: torch.nn.Module, mix: str, v: Params, w: Params, alpha: torch.Tensor,
                  x: torch.Tensor) -> torch.Tensor:
     """Output of the personal mixture for inputs x: a mixture of parameters or of logits."""
     if mix == "params":
-        return functional_call(model, mixed_params(v, w, alpha), (x,))
+        return functional_call(model, mixed_params(v, w, alpha, buffer_names(model)), (x,))
     return alpha * functional_call(model, v, (x,)) + (1 - alpha) * functional_call(model, w, (x,))
 
 
@@ -122,7 +125,8 @@ class APFL(FedAvg):
         v = client.state.get("v", self.init)
         state = {**{_W + k: t for k, t in start.items()}, **{_V + k: t for k, t in v.items()},
                  _A: self.client_alpha(client).clone()}
-        trainable = [k for k in state if k != _A] + ([_A] if hp_.adaptive else [])
+        stats = buffer_names(client.model)  # running statistics: updated by the forward passes, not trained
+        trainable = [k for k in state if k != _A and k[len(_W):] not in stats] + ([_A] if hp_.adaptive else [])
         wd = self.ctx.cfg.federation.weight_decay
         result = client.train(state, rnd, lr=lr, trainable=trainable,
                               loss=APFLLoss(client.model, hp_.mix, self.ctx.meta.task),

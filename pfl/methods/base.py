@@ -42,7 +42,7 @@ import torch
 
 from ..config import round_share
 from ..federation.cohort import DIRECT, Compute
-from ..federation.messages import Message
+from ..federation.messages import Message, Model
 from ..training import EvalCall, EvalResult, Params, TrainCall, TrainResult
 
 if TYPE_CHECKING:
@@ -160,6 +160,13 @@ class Method:
     cohort: ClassVar[str] = "vectorized"
     #: metrics ``extra_metrics`` may report (``*`` matches any tail), checked by sweeps before Ray starts
     metric_names: ClassVar[tuple[str, ...]] = ()
+    #: what a client that never trained is evaluated with (``evaluation.untrained_model: method``):
+    #: "personal" — its personal model as :meth:`eval_plan` builds it (for Ditto, an untrained model) —
+    #: or "global" — the global model it receives, when the method has one (pfl/federation/eval_modes.py)
+    untrained_model: ClassVar[str] = "personal"
+    #: a reference row without a federation (``centralized``): the engine attaches the members' pooled
+    #: training data (``attach_pool``) and evaluates without the wire (pfl.federation.pooled)
+    pooled: ClassVar[bool] = False
     #: "" — the simulator's codec compresses this method's uplink (``compression.uplink``);
     #: "unbiased" / "any" — the method compresses inside its own protocol (DIANA, MARINA, LAG) with
     #: the compressor ``compression.uplink`` names, which must be unbiased / may be any
@@ -321,6 +328,20 @@ class Method:
         if received is None:
             raise NotImplementedError(f"{self.name} must define personal_params")
         return received
+
+    def fit_model(self, rnd: int, client: ClientHandle, msg: Message | None, when: str) -> Params | None:
+        """The model ``evaluation.when`` evaluates around a local update: ``before`` with the training
+        downlink ``msg``, ``after`` with the client's reply. Default: :meth:`personal_params` given the
+        message's ``model`` part, else its first :class:`~pfl.federation.messages.Model` part (FedAvg:
+        the received, then the trained model; SCAFFOLD: the received θ; Ditto: its personal model
+        before and after); None (not evaluated) where that is not defined — a reply of updates only
+        (SCAFFOLD, FedNova) has no ``after`` model unless the method overrides this."""
+        names = [] if msg is None else ["model"] if "model" in msg else [k for k in msg if isinstance(msg[k], Model)]
+        received = msg.tensors(names[0]) if names else None
+        try:
+            return self.personal_params(rnd, client, received)
+        except NotImplementedError:
+            return None
 
     def eval_forward(self, client: ClientHandle) -> Callable[[Params, torch.Tensor], torch.Tensor] | None:
         """A custom forward for evaluation (None: the client's model as is)."""

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ..federation.messages import Message, Scalars, State
+from ..models.functional import in_mode
 from ..models.features import features_and_logits, head_module_name
 from ..schema import ConfigError, hp
 from ..training import Params, Term
@@ -76,7 +77,7 @@ class FedProto(Method):
         self.init: Params = self.ctx.init_params()
         self.head = head_module_name(self.ctx.model)
         probe = torch.zeros((1, *meta.input_shape), device=self.ctx.device)
-        with torch.no_grad():
+        with torch.no_grad(), in_mode(self.ctx.model, train=False):  # one sample: BatchNorm by its statistics
             self.dim = int(features_and_logits(self.ctx.model, self.head, self.init, probe)[0].flatten(1).shape[1])
         self.classes = int(meta.num_classes)
 
@@ -108,7 +109,7 @@ class FedProto(Method):
         ``params`` (zero rows for absent classes) and the (classes,) int32 counts."""
         x, y = client.data.x_train, client.data.y_train
         sums = torch.zeros(self.classes, self.dim, device=y.device)
-        with torch.no_grad():
+        with torch.no_grad(), in_mode(client.model, train=False):  # inference: BatchNorm by its statistics
             for start in range(0, len(y), 4096):  # the evaluation routine's chunk: bounded memory
                 z = features_and_logits(client.model, self.head, params, x[start:start + 4096])[0].flatten(1)
                 sums.index_add_(0, y[start:start + 4096], z)

@@ -69,6 +69,7 @@ from ..aggregation import weighted_average
 from ..federation.messages import Message
 from ..models import layer_groups
 from ..schema import ConfigError, hp
+from ..models.functional import buffer_names
 from ..training import AddToParams, Params, PullTo, Shift, SoftThreshold, Terms
 from . import register
 from .base import GLOBAL, ClientHandle, Method, ModelSize
@@ -124,21 +125,25 @@ class FedSLR(Method):
         self.layers: dict[str, lowrank.LayerSVT] = {}
         n = self.ctx.num_clients
         if self.hp.server == "algo2":
-            self.gamma_all: Params | None = {k: torch.zeros((n, *v.shape), dtype=v.dtype, device=v.device)
+            self.gamma_all: Params | None = {k: torch.zeros((n, *v.shape), device=v.device,
+                                                            dtype=v.dtype if v.is_floating_point() else torch.float32)
                                              for k, v in self.global_model.items()}
             self.gamma_mean: Params | None = None
         else:
             self.gamma_all = None
-            self.gamma_mean = {k: torch.zeros_like(v) for k, v in self.global_model.items()}
+            # float: a BatchNorm model's batch counter is an integer entry of the model
+            self.gamma_mean = {k: torch.zeros_like(v, dtype=torch.float32 if not v.is_floating_point() else v.dtype)
+                               for k, v in self.global_model.items()}
         self.p_stats: dict[int, tuple[int, int]] = {}
         self.svd_seconds: list[float] = []
 
     def _p_init(self) -> Params:
         # the run's seeded initial weights: every client can regenerate them without communication
         init = self.ctx.init_params()
+        stats = buffer_names(self.ctx.model)  # a BatchNorm model: P holds the personal model's statistics
         if self.hp.p_init == "zeros":
-            return {k: torch.zeros_like(v) for k, v in init.items()}
-        return {k: (v.clone() if v.ndim >= 2 else torch.zeros_like(v)) for k, v in init.items()}
+            return {k: (v.clone() if k in stats else torch.zeros_like(v)) for k, v in init.items()}
+        return {k: (v.clone() if v.ndim >= 2 or k in stats else torch.zeros_like(v)) for k, v in init.items()}
 
     # ---- one round ---------------------------------------------------------------------------
     def broadcast(self, rnd: int, cid: int) -> Message:
@@ -240,7 +245,8 @@ class FedSLR(Method):
             if self.hp.p_init == "zeros":
                 return received
             p = self._p_init()
-        return {k: w + p[k] for k, w in received.items()}
+        stats = buffer_names(self.ctx.model)  # statistics do not add: the personal model's are P's
+        return {k: (p[k] if k in stats else w + p[k]) for k, w in received.items()}
 
     def ranks(self) -> dict[str, tuple[int, int]]:
         """(rank, max rank) of every thresholded matrix tensor of the current GKR."""

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 from ..federation.messages import Message
 from ..models import layer_groups
+from ..models.functional import with_statistics
 from ..schema import hp
 from ..training import Params
 from . import register
@@ -50,11 +51,16 @@ class PartialSharing(FedAvg):
     def shared_names(self) -> list[str]:
         raise NotImplementedError
 
+    def shared_entries(self, names: list[str]) -> list[str]:
+        """Every entry of the model dict ``names`` (params, then statistics) that is shared: the
+        shared parameters and, for a BatchNorm model, the running statistics of their layers."""
+        return with_statistics(self.ctx.model, self.shared_names())
+
     def configure(self) -> None:
         super().configure()
         init = self.ctx.init_params()  # θ^0, regenerated from the run seed
         self.names = list(init)
-        self.shared = self.shared_names()
+        self.shared = self.shared_entries(self.names)
         shared = set(self.shared)
         self.own_names = [k for k in self.names if k not in shared]
         self.init_own: Params = {k: init[k] for k in self.own_names}

@@ -36,6 +36,7 @@ import torch
 from torch.func import functional_call
 
 from ..federation.messages import Message
+from ..models.functional import buffer_names
 from ..schema import hp
 from ..training import Params, loss_fn
 from . import register
@@ -66,16 +67,19 @@ def meta_gradient(grad_fn: GradFn, w: Params, grad_d: Params, batches: list, alp
     The exact variant needs ``grad_fn.hvp(params, vec, batch)`` (see :class:`BatchGradient`).
     """
     w = {k: v.detach() for k, v in w.items()}
+    # entries without a gradient (a BatchNorm model's running statistics) ride along unchanged
+    fixed = {k: v for k, v in w.items() if k not in grad_d}
+    w = {k: w[k] for k in grad_d}
     w_tilde = {k: w[k] - alpha * grad_d[k] for k in w}
-    g = grad_fn(w_tilde, batches[0])
+    g = grad_fn({**fixed, **w_tilde}, batches[0])
     if variant == "fo":
         return g
     if variant == "hf":
-        plus = grad_fn({k: w[k] + delta * g[k] for k in w}, batches[1])
-        minus = grad_fn({k: w[k] - delta * g[k] for k in w}, batches[1])
+        plus = grad_fn({**fixed, **{k: w[k] + delta * g[k] for k in w}}, batches[1])
+        minus = grad_fn({**fixed, **{k: w[k] - delta * g[k] for k in w}}, batches[1])
         h = {k: (plus[k] - minus[k]) / (2 * delta) for k in w}
     elif variant == "exact":
-        h = grad_fn.hvp(w, g, batches[1])  # type: ignore[attr-defined]
+        h = grad_fn.hvp({**fixed, **w}, g, batches[1])  # type: ignore[attr-defined]
     else:
         raise ValueError(f"unknown Per-FedAvg variant {variant!r}; allowed: {', '.join(VARIANTS)}")
     return {k: g[k] - alpha * h[k] for k in w}
@@ -91,14 +95,20 @@ class BatchGradient:
         xb, yb = (self.x, self.y) if idx is None else (self.x[idx], self.y[idx])
         return self.loss(functional_call(self.model, params, (xb,)), yb)
 
+    def _split(self, params: Params) -> tuple[Params, Params]:
+        """(the leaves to differentiate, the running statistics: read and updated, never differentiated)."""
+        stats = buffer_names(self.model)
+        return ({k: v.detach().requires_grad_(True) for k, v in params.items() if k not in stats},
+                {k: v.detach() for k, v in params.items() if k in stats})
+
     def __call__(self, params: Params, idx: torch.Tensor | None) -> Params:
-        p = {k: v.detach().requires_grad_(True) for k, v in params.items()}
-        grads = torch.autograd.grad(self._loss(p, idx), list(p.values()), allow_unused=True)
+        p, stats = self._split(params)
+        grads = torch.autograd.grad(self._loss({**p, **stats}, idx), list(p.values()), allow_unused=True)
         return {k: (g if g is not None else torch.zeros_like(p[k])) for k, g in zip(p, grads)}
 
     def hvp(self, params: Params, vec: Params, idx: torch.Tensor | None) -> Params:
-        p = {k: v.detach().requires_grad_(True) for k, v in params.items()}
-        grads = torch.autograd.grad(self._loss(p, idx), list(p.values()), create_graph=True)
+        p, stats = self._split(params)
+        grads = torch.autograd.grad(self._loss({**p, **stats}, idx), list(p.values()), create_graph=True)
         dot = sum((g * vec[k].detach()).sum() for k, g in zip(p, grads))
         out = torch.autograd.grad(dot, list(p.values()), allow_unused=True)
         return {k: (h if h is not None else torch.zeros_like(p[k])) for k, h in zip(p, out)}

@@ -86,8 +86,9 @@ class PFedMe(FedAvg):
             theta = inner.params
             losses.append(inner.mean_loss)
             # in place, so the pull of the next inner problem sees the moved w
-            for k in w:
-                w[k].sub_(eta * lam * (w[k] - theta[k]))
+            for k in w:  # running statistics too (w's move toward θ's); a batch counter stays
+                if w[k].is_floating_point():
+                    w[k].sub_(eta * lam * (w[k] - theta[k]))
         client.state["personal"] = theta
         loss = float(np.mean(losses)) if losses else float("nan")
         return Message.model(w, base="model", train_loss=loss, n=client.n_train)

@@ -4,8 +4,9 @@ Your own model (``model.name: path/to/file.py:Class``) is built and checked by :
 
 Conventions every model follows (the engine relies on them):
 
-- a plain ``nn.Module`` with no buffers (GroupNorm, never BatchNorm), so a client's whole state is
-  its ``named_parameters()`` and one module object can be shared by all clients through
+- a plain ``nn.Module`` whose state is its ``named_parameters()`` and, for BatchNorm models
+  (``cnn_bn``, ``resnet18_bn``), its layers' running statistics, which are entries of the same dict
+  (:mod:`.functional`), so one module object can be shared by all clients through
   ``torch.func.functional_call``;
 - ``forward`` takes a batch (leading batch dimension) and returns logits, or an (N,) prediction
   for regression;
@@ -28,10 +29,10 @@ from ..schema import ConfigError, describe, from_dict, to_dict
 from .functional import flatten_params, init_params, num_params, params_of, unflatten_params
 from .groups import LayerGroups, layer_groups
 from .spec import ModelSpec
-from .resnet import ResNet18GNParams, build_resnet18_gn
+from .resnet import ResNet18BNParams, ResNet18GNParams, build_resnet18_bn, build_resnet18_gn
 from .vgg import VGGParams, build_vgg11, build_vgg13
 from .zoo import (CNNFedAvgParams, CNNFPFCParams, LinearRegressionParams, MLPParams,
-                  SoftmaxRegressionParams, build_cnn_fedavg, build_cnn_fpfc, build_linear_regression,
+                  SoftmaxRegressionParams, build_cnn_bn, build_cnn_fedavg, build_cnn_fpfc, build_linear_regression,
                   build_mlp, build_softmax_regression)
 
 
@@ -57,6 +58,12 @@ for _spec in (
               "(2,572 body + 4,010 head on 1×28×28)", CNNFPFCParams, build_cnn_fpfc, _IMAGE),
     ModelSpec("cnn_fedavg", "FedALA's 4-layer CNN (FedAvgCNN): conv 32, conv 64 (5×5), fc 512, head "
               "(582,026 params on 1×28×28, 878,538 on 3×32×32)", CNNFedAvgParams, build_cnn_fedavg, _IMAGE),
+    ModelSpec("cnn_bn", "cnn_fedavg with BatchNorm after conv1, conv2 and fc1 (its running statistics "
+              "are state: averaged with the parameters, or kept local by fedbn)", CNNFedAvgParams,
+              build_cnn_bn, _IMAGE),
+    ModelSpec("resnet18_bn", "the CIFAR ResNet-18 of resnet18_gn with BatchNorm (torchvision's bn1/bn2 "
+              "names), bias-free head (11,173,952 params at C=10, plus 9,620 running-statistic values)",
+              ResNet18BNParams, build_resnet18_bn, _IMAGE),
     ModelSpec("resnet18_gn", "FedSLR's CIFAR ResNet-18 with GroupNorm(2), bias-free head "
               "(11,173,952 params at C=10, 11,220,032 at C=100)", ResNet18GNParams, build_resnet18_gn, _IMAGE),
     ModelSpec("vgg11", "CIFAR VGG-11 with GroupNorm, one linear head (9,231,114 params at C=10)",

@@ -8,13 +8,13 @@ arguments (names, and the types they are annotated with) when the config is reso
 The engine's conventions (see :mod:`pfl.models`) become checks with one-line errors before any
 training (:func:`prepare_model`):
 
-* **Buffers.** A client's state is its parameters; one module object serves every client. A layer
-  that keeps running statistics (BatchNorm, InstanceNorm with ``track_running_stats``) would share
-  them between clients and keep them out of aggregation and checkpoints, so it is refused, naming
-  the layer and suggesting GroupNorm. Other buffers are allowed when a forward pass leaves them
-  unchanged (constants such as a normalisation mean); one that changes is refused by name.
-  (Supporting them as per-client state would put buffers through every method's messages,
-  aggregation, compression and checkpoints; GroupNorm federates without any of that.)
+* **Buffers.** One module object serves every client. The running statistics of a normalisation
+  layer (BatchNorm, InstanceNorm with ``track_running_stats``) are state, like the parameters: they
+  are entries of every model dict, travel in messages, are averaged or kept local as the method
+  says (FedBN), stored and checkpointed (:mod:`pfl.models.functional`). Other buffers are allowed
+  when a forward pass leaves them unchanged (constants such as a normalisation mean: one copy in
+  the module serves everyone); one that changes is refused by name, since it is neither a
+  parameter nor a statistic pfl knows how to combine.
 * **Output.** One forward pass on a batch of the first client's training data must give
   (batch, num_classes) logits, or (batch,) / (batch, 1) for regression.
 * **Head.** Methods that split body and head read ``model.head`` (parameter-name prefixes). For
@@ -176,21 +176,23 @@ def set_head(model: nn.Module, head: Sequence[str], key: str = "model.head") -> 
 
 
 def check_buffers(model: nn.Module, name: str) -> None:
-    """Refuse layers with running statistics, naming the first one."""
-    for mname, module in model.named_modules():
-        if isinstance(module, nn.modules.batchnorm._NormBase) and module.track_running_stats:
-            raise ConfigError(KEY, f"{name}: layer {mname or '(root)'!r} ({type(module).__name__}) keeps running "
-                                   "statistics, which pfl does not federate (a client's state is its parameters); "
-                                   f"use nn.GroupNorm (e.g. GroupNorm(2, {getattr(module, 'num_features', 'C')})) "
-                                   "or track_running_stats=False")
+    """Nothing to refuse before a forward pass: running statistics are state (module docstring);
+    a buffer that a forward pass changes is refused by :func:`check_forward`. Kept so that callers
+    (the resolver's head check, a sweep's model check) keep one place to call."""
 
 
 def check_forward(model: nn.Module, x: torch.Tensor, num_classes: int, task: str, name: str) -> None:
-    """One forward pass on ``x``, as training runs it: output shape, and buffers left unchanged."""
+    """One forward pass on ``x``, as training runs it (train mode): output shape, and buffers other
+    than running statistics left unchanged."""
     from torch.func import functional_call
 
-    params = {k: v.detach() for k, v in model.named_parameters()}
-    before = {k: b.detach().clone() for k, b in model.named_buffers()}
+    from .functional import buffer_names
+
+    stats = buffer_names(model)
+    # the statistics as copies: the forward pass updates those, never the module's
+    params = {**{k: v.detach() for k, v in model.named_parameters()},
+              **{k: model.get_buffer(k).detach().clone() for k in stats}}
+    before = {k: b.detach().clone() for k, b in model.named_buffers() if k not in stats}
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             out = functional_call(model, params, (x,))
@@ -202,8 +204,9 @@ def check_forward(model: nn.Module, x: torch.Tensor, num_classes: int, task: str
         model.get_buffer(k).copy_(before[k])
     if changed:
         raise ConfigError(KEY, f"{name}: buffer {changed[0]!r} changes in the forward pass; pfl keeps a client's "
-                               "state as parameters only, so it would be shared by every client (use GroupNorm, "
-                               "or make it an nn.Parameter)")
+                               "state as its parameters and its normalisation layers' running statistics, so it "
+                               "would be shared by every client (make it an nn.Parameter, or a BatchNorm/"
+                               "InstanceNorm statistic)")
     b = len(x)
     want = [(b, num_classes)] if task == "classification" else [(b,), (b, 1)]
     got = tuple(getattr(out, "shape", ()))
@@ -219,7 +222,8 @@ def prepare_model(model: nn.Module, cfg, data) -> nn.Module:
     check_buffers(model, name)
     if cfg.model.head:
         set_head(model, cfg.model.head)
-    sample = next((c.x_train for c in data.clients if c.n_train), None)
+    # two samples at least: BatchNorm in train mode cannot normalise a batch of one
+    sample = next((c.x_train for c in data.clients if c.n_train >= 2), None)
     if sample is not None:
         check_forward(model, sample[:8], max(1, data.num_classes), data.task, name)
     return model

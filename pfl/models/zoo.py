@@ -2,7 +2,8 @@
 
 Each model has a params dataclass (every field documented; validated by :func:`pfl.schema.from_dict`
 under ``model.params``) and a ``build_*(params, input_shape, num_classes)`` function registered in
-:mod:`pfl.models`. No model has buffers, so a client's whole state is its parameters.
+:mod:`pfl.models`. Only ``cnn_bn`` has buffers (BatchNorm's running statistics, state like the
+parameters: :mod:`pfl.models.functional`); every other model's state is its parameters.
 """
 
 from __future__ import annotations
@@ -227,6 +228,34 @@ class CNNFedAvg(_ImageModel):
         return [params_under(self, [name]) for name in ("conv1", "conv2", "fc1", "fc")]
 
 
+class CNNBN(_ImageModel):
+    """FedAvgCNN with BatchNorm after each conv and after the hidden linear layer (FedBN's CNNs put
+    BN after every layer but the classifier): conv → BN → ReLU → pool twice, fc1 → BN → ReLU, fc.
+    Units conv1+bn1, conv2+bn2, fc1+bn3, fc; the head is fc, so a head-sharing method never sends BN.
+    """
+
+    def __init__(self, image: tuple[int, int, int], chans: Sequence[int], hidden: int,
+                 paddings: tuple[int, int], out_hw: tuple[int, int], num_classes: int):
+        super().__init__()
+        self.image_shape = image
+        self.conv1 = nn.Conv2d(image[0], chans[0], 5, padding=paddings[0])
+        self.bn1 = nn.BatchNorm2d(chans[0])
+        self.conv2 = nn.Conv2d(chans[0], chans[1], 5, padding=paddings[1])
+        self.bn2 = nn.BatchNorm2d(chans[1])
+        self.fc1 = nn.Linear(chans[1] * out_hw[0] * out_hw[1], hidden)
+        self.bn3 = nn.BatchNorm1d(hidden)
+        self.fc = nn.Linear(hidden, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.max_pool2d(F.relu(self.bn1(self.conv1(self.as_images(x)))), 2)
+        x = F.max_pool2d(F.relu(self.bn2(self.conv2(x))), 2)
+        x = F.relu(self.bn3(self.fc1(x.flatten(1))))
+        return self.fc(x)
+
+    def layer_units(self) -> list[list[str]]:
+        return [params_under(self, pair) for pair in (["conv1", "bn1"], ["conv2", "bn2"], ["fc1", "bn3"], ["fc"])]
+
+
 def _check_channels(chans: Sequence[int], path: str) -> None:
     if len(chans) != 2:
         raise ConfigError(f"{path}.channels", f"expected two channel counts [conv1, conv2], got {list(chans)}")
@@ -247,8 +276,14 @@ def build_cnn_fedavg(params: CNNFedAvgParams, input_shape, num_classes: int) -> 
     return CNNFedAvg(image, params.channels, params.hidden, pads, out_hw, num_classes)
 
 
+def build_cnn_bn(params: CNNFedAvgParams, input_shape, num_classes: int) -> nn.Module:
+    image = image_shape("cnn_bn", input_shape)
+    pads, out_hw = _two_conv_geometry("cnn_bn", image[1:], params.padding, paper=(0, 0))
+    return CNNBN(image, params.channels, params.hidden, pads, out_hw, num_classes)
+
+
 __all__ = [
-    "SoftmaxRegression", "LinearRegression", "MLP", "CNNFPFC", "CNNFedAvg",
+    "SoftmaxRegression", "LinearRegression", "MLP", "CNNFPFC", "CNNFedAvg", "CNNBN", "build_cnn_bn",
     "SoftmaxRegressionParams", "LinearRegressionParams", "MLPParams", "CNNFPFCParams", "CNNFedAvgParams",
     "build_softmax_regression", "build_linear_regression", "build_mlp", "build_cnn_fpfc", "build_cnn_fedavg",
 ]

@@ -7,8 +7,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from .report import dotted
-from .spec import Cell, TableSpec
+from .spec import Cell, TableSpec, dotted
 
 
 def _facet(p, cell: Cell) -> str:

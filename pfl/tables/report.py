@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 from ..seeds import aggregate, last_mean, markdown, metric_tag
 from .hooks import get_hook
-from .spec import Cell, TableSpec
+from .spec import Cell, TableSpec, dotted
 
 NAN = float("nan")
 
@@ -103,13 +103,6 @@ def summarize(spec: TableSpec, cells: list[Cell], records: list[dict]) -> tuple[
                        metric=spec.metric, text_columns=[(c.title, text(c)) for c in spec.text_columns],
                        notes=list(spec.notes))
     return summary, text_md
-
-
-def dotted(raw: dict, key: str) -> Any:
-    value: Any = raw
-    for part in key.split("."):
-        value = value.get(part, "") if isinstance(value, dict) else ""
-    return value
 
 
 def close_parent(parent, spec: TableSpec, cells: list[Cell], name: str, summary: list[dict], records: list[dict],

@@ -299,10 +299,17 @@ def cells(spec: TableSpec, *, preset: str | None = None, overrides: list[str] | 
     return out
 
 
+def dotted(raw: dict, key: str) -> Any:
+    value: Any = raw
+    for part in key.split("."):
+        value = value.get(part, "") if isinstance(value, dict) else ""
+    return value
+
+
 def fingerprint(table_cells: list[Cell]) -> str:
     """What a resume must find unchanged: every cell's label and config."""
     return json.dumps([[c.label, c.raw] for c in table_cells], sort_keys=True, default=str)
 
 
-__all__ = ["Cell", "Column", "Plot", "READS", "Row", "RowEntry", "TEXT_KINDS", "TableSpec", "TextColumn", "cells",
+__all__ = ["Cell", "Column", "dotted", "Plot", "READS", "Row", "RowEntry", "TEXT_KINDS", "TableSpec", "TextColumn", "cells",
            "expand", "fingerprint", "load_table", "method_rows", "parse_row_sets", "select_rows"]
