@@ -443,28 +443,36 @@ def test_lambda_path_on_a_regression_source_selects_by_rmse_and_ends():
 
 
 @pytest.mark.slow
-def test_reproduce_pipeline_runs_the_label_swap_scenario_with_its_fpfc_setting():
+def test_reproduce_pipeline_runs_the_label_swap_scenario_with_its_fpfc_setting(ray_cluster, tmp_path):
+    """pipelines/reproduce_fpfc.py --scenario fmnist_labelswap: tables/fpfc_labelswap.yaml's FPFC
+    setting (λ 0.4, silhouette read-out, body shared) on the label-swap partition."""
+    import subprocess
     import sys
     from pathlib import Path
 
-    from pfl.tracking import client
+    from mlflow.tracking import MlflowClient
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipelines"))
-    import reproduce_fpfc
-
+    script = Path(__file__).resolve().parents[1] / "pipelines" / "reproduce_fpfc.py"
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    mc = MlflowClient(tracking_uri=uri)
+    mc.search_experiments(max_results=1)
     tiny = ["data.max_samples=1000", "federation.local_epochs=1", "federation.clients_per_round=4"]
-    assert reproduce_fpfc.main(["--scenario", "fmnist_labelswap", "--rounds", "2", "--methods", "fpfc", "fedavg",
-                                "--experiment", "reproduce_labelswap", "--quiet", "--set", *tiny]) == 0
-    mc = client()
-    exp = mc.get_experiment_by_name("reproduce_labelswap")
-    runs = {r.info.run_name: r for r in mc.search_runs([exp.experiment_id])}
-    assert {"reproduce_fpfc", "fpfc", "fedavg"} <= set(runs)
-    fpfc = runs["fpfc"].data.params
+    code, out = ray_cluster.run([sys.executable, str(script), "--scenario", "fmnist_labelswap", "--rounds", "2",
+                                 "--methods", "fpfc", "fedavg", "--seeds", "0", "--quiet",
+                                 "--storage", str(tmp_path / "ray_results"), "--set", *tiny],
+                                {"MLFLOW_TRACKING_URI": uri, "PFL_CACHE_DIR": str(tmp_path / "cache"),
+                                 "RAY_ADDRESS": ray_cluster.address})
+    assert code == 0, out[-4000:]
+    runs = {r.info.run_name: r for e in mc.search_experiments() for r in mc.search_runs([e.experiment_id])}
+    assert {"fpfc_labelswap", "fpfc [seed 0]", "fedavg [seed 0]"} <= set(runs)
+    fpfc = runs["fpfc [seed 0]"].data.params
     assert (fpfc["method.lam"], fpfc["method.nu_select"], fpfc["method.shared_layers"]) == ("0.4", "silhouette", "body")
-    assert "fpfc/nu" in runs["fpfc"].data.metrics
-    assert runs["fedavg"].data.params["data.partition.kind"] == "label_swap"
-    assert "cluster/ari" in runs["fpfc"].data.metrics
-    assert reproduce_fpfc.main(["--scenario", "fmnist_labelswap", "--size-scale", "0.5"]) == 2
+    assert fpfc["federation.rounds"] == "2" and fpfc["data.max_samples"] == "1000"
+    assert "fpfc/nu" in runs["fpfc [seed 0]"].data.metrics and "cluster/ari" in runs["fpfc [seed 0]"].data.metrics
+    assert runs["fedavg [seed 0]"].data.params["data.partition.kind"] == "label_swap"
+    refused = subprocess.run([sys.executable, str(script), "--scenario", "fmnist_labelswap", "--size-scale", "0.5"],
+                             capture_output=True, text=True)
+    assert refused.returncode == 2 and "--size-scale" in refused.stderr
 
 
 def test_silhouette_threshold_reads_out_blobs_and_declines_noise():

@@ -3,6 +3,7 @@ metrics, and the robustness and newcomers pipelines."""
 
 import math
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -258,93 +259,110 @@ def test_attack_config_is_validated_before_any_work():
         small_config(method__name="scaffold", method__aggregator="median")   # no global-model average to replace
 
 
-# ---- the pipelines ------------------------------------------------------------------------------------
+# ---- the pipelines (tables/robustness.yaml, tables/newcomers.yaml) --------------------------------------
 
 TINY_S1 = ["data.num_clients=12", "data.params.size_scale=0.05", "federation.clients_per_round=6"]
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def _pipelines():
+def _pipeline(ray_cluster, tmp_path, script, *args):
+    import subprocess  # noqa: F401  (the cluster's driver is a subprocess)
     import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipelines"))
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+    code, out = ray_cluster.run([sys.executable, str(ROOT / "pipelines" / script), *args, "--out", str(tmp_path / "out"),
+                                 "--storage", str(tmp_path / "ray_results"), "--quiet"],
+                                {"MLFLOW_TRACKING_URI": uri, "PFL_CACHE_DIR": str(tmp_path / "cache"),
+                                 "RAY_ADDRESS": ray_cluster.address})
+    return code, out, MlflowClient(tracking_uri=uri)
+
+
+def _parent_and_children(mc):
+    runs = [r for e in mc.search_experiments() for r in mc.search_runs([e.experiment_id])]
+    parent = next(r for r in runs if "mlflow.parentRunId" not in r.data.tags)
+    return parent, {r.info.run_name: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
 
 
 @pytest.mark.slow
-def test_robustness_pipeline_logs_parent_table_plots_and_children(tmp_path):
-    _pipelines()
-    import robustness
-    from pfl.tracking import client
+def test_robustness_pipeline_logs_parent_table_plots_and_children(ray_cluster, tmp_path):
+    import pandas as pd
 
-    result = robustness.run(["s1"], ["fpfc", "fedavg"], ["gaussian"], [0.0, 0.4], rounds=2, overrides=TINY_S1,
-                            experiment="robustness_test", out=tmp_path, progress=None, seeds=[0, 1])
-    rows = result["rows"]
-    assert [(r["method"], r["attack"], r["fraction"], r["seed"]) for r in rows] == [
-        (m, a, f, s) for s in (0, 1) for m in ("fpfc", "fedavg") for a, f in (("none", 0.0), ("gaussian", 0.4))]
-    assert all(r["status"] == "FINISHED" for r in rows)
-    assert [r["benign_clients"] for r in rows[:4]] == [12, 7, 12, 7]          # round(12 · 0.4) = 5 malicious
-    cell = result["cells"][("s1|gaussian|0.4", "fpfc")]
-    by_seed = [r["benign_acc"] for r in rows if (r["method"], r["fraction"]) == ("fpfc", 0.4)]
-    assert cell["seeds"] == 2 and cell["benign_acc_mean"] == pytest.approx(sum(by_seed) / 2)
-    assert "| fpfc |" in result["table"] and "±" in result["table"] and len(result["drops"]) == 2
-    assert (tmp_path / "robustness_table.md").is_file() and (tmp_path / "benign_acc_vs_fraction_gaussian.png").is_file()
-    mc = client()
-    parent = mc.get_run(result["parent_run_id"])
+    code, out, mc = _pipeline(ray_cluster, tmp_path, "robustness.py", "--scenarios", "s1", "--methods", "fpfc",
+                              "fedavg", "--attacks", "gaussian", "--fractions", "0", "0.4", "--rounds", "2",
+                              "--seeds", "0", "1", "--set", *TINY_S1)
+    assert code == 0, out[-4000:]
+    runs = pd.read_csv(tmp_path / "out" / "robustness_runs.csv")
+    assert sorted(zip(runs["group"], runs["row"], runs["seed"])) == sorted(
+        (g, m, s) for g in ("s1|none|0", "s1|gaussian|0.4") for m in ("fpfc", "fedavg") for s in (0, 1))
+    assert (runs["status"] == "FINISHED").all()
+    by = runs.set_index(["group", "row", "seed"])
+    assert by.loc[("s1|none|0", "fpfc", 0), "benign_clients"] == 12
+    assert by.loc[("s1|gaussian|0.4", "fpfc", 0), "benign_clients"] == 7          # round(12 · 0.4) = 5 malicious
+    # like for like: the drop is the clean run's accuracy on the attacked run's benign devices minus its own
+    attacked = by.loc[("s1|gaussian|0.4", "fpfc", 0)]
+    assert attacked["drop"] == pytest.approx(attacked["clean_same_devices"] - attacked["benign_acc"])
+    assert by.loc[("s1|none|0", "fpfc", 0), "drop"] == pytest.approx(0.0)
+    summary = pd.read_csv(tmp_path / "out" / "robustness.csv").set_index(["group", "row"])
+    cell = summary.loc[("s1|gaussian|0.4", "fpfc")]
+    assert cell["seeds"] == 2 and cell["benign_acc_mean"] == pytest.approx(
+        runs[(runs["group"] == "s1|gaussian|0.4") & (runs["row"] == "fpfc")]["benign_acc"].mean())
+    assert "| fpfc |" in out and "±" in out and "largest drop" in out
+    assert (tmp_path / "out" / "benign_acc_vs_fraction_gaussian.png").is_file()
+    parent, children = _parent_and_children(mc)
     top = {a.path for a in mc.list_artifacts(parent.info.run_id)}
-    assert {"robustness_table.csv", "robustness_table.md", "robustness_table_runs.csv", "plots"} <= top
-    plots = {a.path for a in mc.list_artifacts(parent.info.run_id, "plots")}
-    assert plots == {"plots/benign_acc_vs_fraction_gaussian.png"}
-    children = mc.search_runs([parent.info.experiment_id],
-                              filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
-    names = {r.info.run_name: r for r in children}
-    assert set(names) == {f"s1/{m}/{p}/seed{s}" for m in ("fpfc", "fedavg") for p in ("clean", "gaussian/0.4")
-                          for s in (0, 1)}
-    attacked = names["s1/fpfc/gaussian/0.4/seed0"]
-    assert attacked.data.metrics["attack/benign_clients"] == 7
-    assert attacked.data.params["attack.kind"] == "gaussian" and attacked.data.params["method.lam"] == "0.6"
-    assert attacked.data.params["seed"] == "0" and names["s1/fpfc/gaussian/0.4/seed1"].data.params["seed"] == "1"
-    assert "attack_malicious.csv" in {a.path for a in mc.list_artifacts(attacked.info.run_id)}
-    assert "attack/benign_clients" not in names["s1/fpfc/clean/seed0"].data.metrics
+    assert {"robustness.csv", "robustness.md", "robustness_runs.csv", "plots"} <= top
+    assert {a.path for a in mc.list_artifacts(parent.info.run_id, "plots")} == {"plots/benign_acc_vs_fraction_gaussian.png"}
+    assert set(children) == {f"s1|{p}: {m} [seed {s}]" for m in ("fpfc", "fedavg") for p in ("none|0", "gaussian|0.4")
+                             for s in (0, 1)}
+    hit = children["s1|gaussian|0.4: fpfc [seed 0]"]
+    assert hit.data.metrics["attack/benign_clients"] == 7
+    assert hit.data.params["attack.kind"] == "gaussian" and hit.data.params["method.lam"] == "0.6"
+    assert hit.data.params["seed"] == "0" and children["s1|gaussian|0.4: fpfc [seed 1]"].data.params["seed"] == "1"
+    assert "attack_malicious.csv" in {a.path for a in mc.list_artifacts(hit.info.run_id)}
+    assert "attack/benign_clients" not in children["s1|none|0: fpfc [seed 0]"].data.metrics
 
 
-def test_robustness_pipeline_cli_rejects_bad_input():
-    _pipelines()
+def test_robustness_pipeline_cli_rejects_bad_input(capsys):
+    import sys
+
+    sys.path.insert(0, str(ROOT / "pipelines"))
     import robustness
+    from pfl.tables.cli import main
 
-    assert robustness.main(["--fractions", "1.0", "--no-track"]) == 2
-    assert robustness.main(["--scenarios", "s1", "--methods", "fpfc", "--fractions", "0", "--no-track",
-                            "--set", "attack.gaussian_std=-1"]) == 2
+    assert main(robustness.translate(["--fractions", "1.0", "--no-track"]), table=robustness.TABLE) == 2
+    assert "--only" in capsys.readouterr().err
+    assert main(robustness.translate(["--scenarios", "s1", "--methods", "fpfc", "--fractions", "0", "--no-track",
+                                      "--set", "attack.gaussian_std=-1"]), table=robustness.TABLE) == 2
+    assert "attack.gaussian_std" in capsys.readouterr().err
 
 
 @pytest.mark.slow
-def test_newcomers_pipeline_prints_table_3_beside_the_paper(tmp_path):
-    _pipelines()
-    import newcomers
-    from pfl.tracking import client
+def test_newcomers_pipeline_prints_table_3_beside_the_paper(ray_cluster, tmp_path):
+    import pandas as pd
 
-    result = newcomers.run(["s1"], ["local", "fpfc"], rounds=2, join_rounds=2, overrides=TINY_S1,
-                           experiment="newcomers_test", out=tmp_path, progress=None, seeds=[0, 1])
-    runs = result["rows"]
-    assert len(runs) == 4 and all(r["status"] == "FINISHED" for r in runs)
-    rows = {r["row"]: r for r in result["summary"]}
-    assert set(rows) == {"local", "fpfc"} and rows["fpfc"]["seeds"] == 2
-    assert rows["fpfc"]["acc_mean"] == pytest.approx(sum(r["acc"] for r in runs if r["method"] == "fpfc") / 2)
-    assert runs[0]["paper_acc"] == 0.79 and 0 <= rows["fpfc"]["acc_mean"] <= 1
-    assert rows["fpfc"]["ari_mean"] == rows["fpfc"]["ari_mean"]   # a number
-    assert rows["local"]["join_steps_mean"] == 2 and rows["local"]["join_bytes_mean"] == 0
-    assert rows["local"]["test_n_mean"] > 0
-    assert "79.31 (0.08)" in result["table"] and "±" in result["table"]
-    mc = client()
-    parent = mc.get_run(result["parent_run_id"])
-    assert {"newcomers_table.csv", "newcomers_table.md", "newcomers_table_runs.csv"} <= {
-        a.path for a in mc.list_artifacts(parent.info.run_id)}
-    children = mc.search_runs([parent.info.experiment_id],
-                              filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
-    by = {r.info.run_name: r for r in children}
-    assert set(by) == {f"s1/{m}/seed{s}" for m in ("local", "fpfc") for s in (0, 1)}
-    assert by["s1/fpfc/seed0"].data.params["newcomers.fraction"] == "0.2"
-    assert "newcomer/acc_mean" in by["s1/fpfc/seed0"].data.metrics and "newcomer/ari" in by["s1/fpfc/seed0"].data.metrics
-    assert "newcomers.csv" in {a.path for a in mc.list_artifacts(by["s1/fpfc/seed0"].info.run_id)}
+    code, out, mc = _pipeline(ray_cluster, tmp_path, "newcomers.py", "--scenarios", "s1", "--methods", "local", "fpfc",
+                              "--rounds", "2", "--join-rounds", "2", "--seeds", "0", "1", "--set", *TINY_S1)
+    assert code == 0, out[-4000:]
+    runs = pd.read_csv(tmp_path / "out" / "newcomers_runs.csv")
+    assert len(runs) == 4 and (runs["status"] == "FINISHED").all()
+    rows = pd.read_csv(tmp_path / "out" / "newcomers.csv").set_index("row")
+    assert set(rows.index) == {"local", "fpfc"} and rows.loc["fpfc", "seeds"] == 2
+    assert rows.loc["fpfc", "final_mean"] == pytest.approx(runs[runs["row"] == "fpfc"]["final"].mean())
+    assert (runs[runs["row"] == "fpfc"]["paper_acc"] == 0.7931).all() and 0 <= rows.loc["fpfc", "final_mean"] <= 1
+    assert rows.loc["fpfc", "ari_mean"] == rows.loc["fpfc", "ari_mean"]   # a number
+    assert rows.loc["local", "join_steps_mean"] == 2 and rows.loc["local", "join_bytes_mean"] == 0
+    assert rows.loc["local", "test_n_mean"] > 0
+    assert "79.31" in out and "±" in out
+    parent, children = _parent_and_children(mc)
+    assert {"newcomers.csv", "newcomers.md", "newcomers_runs.csv"} <= {a.path for a in mc.list_artifacts(parent.info.run_id)}
+    assert set(children) == {f"s1: {m} [seed {s}]" for m in ("local", "fpfc") for s in (0, 1)}
+    fpfc = children["s1: fpfc [seed 0]"]
+    assert fpfc.data.params["newcomers.fraction"] == "0.2"
+    assert "newcomer/acc_mean" in fpfc.data.metrics and "newcomer/ari" in fpfc.data.metrics
+    assert "newcomers.csv" in {a.path for a in mc.list_artifacts(fpfc.info.run_id)}
 
 
 def test_attack_and_newcomer_metrics_are_in_the_sweep_catalog():

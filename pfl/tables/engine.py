@@ -135,7 +135,7 @@ def run_table(spec: TableSpec, cells: list[Cell], *, address: str | None = None,
             raise ConfigError("--resume", f"the table at {exp_path} was run with other rows, seeds or settings; "
                                           "resume it with the same file and flags, or give --name for a new one")
     headline = get_hook(spec, "headline")
-    for kind in ("measure", "trial", "records"):   # an unknown name: before any work
+    for kind in ("measure", "trial", "records", "report"):   # an unknown name: before any work
         get_hook(spec, kind)
     distinct = check_cells(cells)
     first = cells[0].config
@@ -189,7 +189,7 @@ def run_table(spec: TableSpec, cells: list[Cell], *, address: str | None = None,
     status = ("FINISHED" if done else "FAILED") if complete else "INTERRUPTED"
     summary, text = summarize(spec, cells, records)
     head = {k: float(v) for k, v in headline(summary).items()} if headline and status == "FINISHED" else {}
-    close_parent(parent, spec, cells, name, summary, records, text, status, wall, outdir, head, histories)
+    text = close_parent(parent, spec, cells, name, summary, records, text, status, wall, outdir, head, histories)
     if status == "INTERRUPTED":
         kill_unfinished_children(parent.run_id)
     code = {"FINISHED": 0, "FAILED": 1}.get(status, 143 if signal.SIGTERM in received else 130)

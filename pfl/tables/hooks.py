@@ -9,7 +9,10 @@ A table names them (``measure: fedala``); a user registers their own in a plugin
   cell) and gives extra columns at the end (numbers, or lists and dicts of numbers);
 * ``records``: every record of the table → the records (columns that compare cells, such as a
   drop from the clean run on the same devices);
-* ``headline``: the summary rows → numbers printed and logged on the parent run.
+* ``headline``: the summary rows → numbers printed and logged on the parent run;
+* ``report``: (the summary rows, the cells, a folder) → (Markdown printed after the table, figure
+  files written into the folder and logged under ``plots/``), for layouts a table's columns cannot
+  give (robustness: methods × attacks per scenario, one plot per attack).
 
 The built-in hooks of the shipped tables are in :mod:`pfl.tables.builtin`.
 """
@@ -22,7 +25,7 @@ from ..federation.loop import Callback
 from ..registry import Registry
 from ..schema import ConfigError
 
-KINDS = ("measure", "trial", "records", "headline")
+KINDS = ("measure", "trial", "records", "headline", "report")
 
 
 def _load_builtin() -> None:

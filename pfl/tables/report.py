@@ -107,8 +107,9 @@ def summarize(spec: TableSpec, cells: list[Cell], records: list[dict]) -> tuple[
 
 def close_parent(parent, spec: TableSpec, cells: list[Cell], name: str, summary: list[dict], records: list[dict],
                  text: str, status: str, wall: float, outdir: str | Path | None, headline: dict | None = None,
-                 histories: dict | None = None) -> None:
-    """The table on its parent run (CSV, Markdown, Parquet, every cell, the plots, per-row metrics)."""
+                 histories: dict | None = None) -> str:
+    """The table on its parent run (CSV, Markdown, Parquet, every cell, the plots, per-row metrics);
+    returns the text with what the table's ``report`` hook adds."""
     import tempfile
 
     import pandas as pd
@@ -120,6 +121,12 @@ def close_parent(parent, spec: TableSpec, cells: list[Cell], name: str, summary:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(outdir) if outdir else Path(tmp)
         out.mkdir(parents=True, exist_ok=True)
+        report = get_hook(spec, "report")
+        if report is not None and status == "FINISHED":
+            more, files = report(summary, cells, out)
+            text = f"{text}\n\n{more}" if more else text
+            for path in files:
+                parent.log_artifact(path, "plots")
         write_table(parent, flat, name, text if status != "INTERRUPTED" else f"(partial: {status})\n\n{text}", out,
                     runs=records)
         if records:
@@ -138,6 +145,7 @@ def close_parent(parent, spec: TableSpec, cells: list[Cell], name: str, summary:
     parent.log_metrics({k: v for k, v in (headline or {}).items() if v == v})
     parent.set_tags({"pfl.status": status.lower()})
     parent.end({"FINISHED": "FINISHED", "FAILED": "FAILED"}.get(status, "KILLED"))
+    return text
 
 
 __all__ = ["close_parent", "read", "records_of", "summarize"]

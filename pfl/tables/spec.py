@@ -4,11 +4,12 @@ A table file is validated like a search space before anything runs: an unknown k
 with a "did you mean", and every problem is one line naming the file and the key. ``cells``
 turns a table into its cells (row × seed), each a resolved config, every config error first.
 
-Layering of one cell's config: the scenario, the table's ``set``, its preset's values (``--preset
-NAME``; ``--quick`` is ``--preset quick``), the command line's ``--set``, the row's ``set`` (and its
-preset's values), ``--row-set``, the seed and the tracking switch. A row's values come after the
-shared ones because a row is what the table compares (FedSLR's tuned Ditto λ beats a shared
-``method.lam``).
+Layering of one cell's config: the scenario (the row's, else the table's), the table's ``set``, its
+preset's values (``--preset NAME``; ``--quick`` is ``--preset quick``), the command line's ``--set``
+of ``method.*`` keys, the row's ``set`` and its preset's values, the rest of ``--set``, ``--row-set``,
+the seed and the tracking switch. A row's method values come after the shared ones because a row is
+what the table compares (FedSLR's tuned Ditto λ beats a shared ``method.lam``; ``--row-set`` changes
+one row's); every other ``--set`` value is the user's last word for every row (rounds, data, device).
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class Plot:
 @dataclass
 class RowEntry:
     name: str = hp("", "the row's name; in a grid a template such as '{method.name} λ={method.lam}'")
+    scenario: str | None = hp(None, "the row's named scenario, in place of the table's")
     group: str = hp("", "the row's group (a template in a grid); the reference is chosen per group")
     set: dict = hp(default_factory=dict, doc="dotted config values of the row")
     grid: dict = hp(default_factory=dict, doc="dotted key → values, or axis → {label: {dotted: value}}: one row "
@@ -95,6 +97,7 @@ class TableSpec:
     trial: str = hp("", "a table hook: the finished run's loop → extra columns (in the cell's worker)")
     records: str = hp("", "a table hook: all records → records (columns that compare cells)")
     headline: str = hp("", "a table hook: the summary rows → numbers printed and logged on the parent run")
+    report: str = hp("", "a table hook: the summary rows → Markdown and figures added after the table")
     notes: list[str] = hp(default_factory=list, doc="lines under the table")
     plots: list[Plot] = hp(default_factory=list, doc="plots logged with the table")
     resources: Resources = hp(default_factory=Resources, doc="resources per cell (a Ray Tune trial)")
@@ -126,6 +129,7 @@ class Row:
     presets: dict
     tags: dict = field(default_factory=dict)
     optional: bool = False
+    scenario: str | None = None
 
 
 @dataclass
@@ -173,7 +177,7 @@ def expand(spec: TableSpec) -> list[Row]:
     for i, entry in enumerate(spec.rows):
         if not entry.grid:
             rows.append(Row(entry.name, entry.group, dict(entry.set), dict(entry.presets), dict(entry.tags),
-                            entry.optional))
+                            entry.optional, entry.scenario))
             continue
         axes = []
         for axis, values in entry.grid.items():
@@ -182,7 +186,7 @@ def expand(spec: TableSpec) -> list[Row]:
                 if bad:
                     raise ConfigError(f"rows[{i}].grid.{axis}.{bad[0]}", "a labelled axis maps labels to "
                                                                           "{dotted: value} (in " + spec.path + ")")
-                axes.append([(axis, label, dict(v)) for label, v in values.items()])
+                axes.append([(axis, label, dict(v)) for label, v in values.items()])  # a label may hold presets
             elif isinstance(values, list) and values:
                 axes.append([(axis, v, {axis: v}) for v in values])
             else:
@@ -190,7 +194,11 @@ def expand(spec: TableSpec) -> list[Row]:
                                                             f"{{label: {{dotted: value}}}} (in {spec.path})")
         for combo in itertools.product(*axes):
             names = {axis: label for axis, label, _ in combo}
-            values = {k: v for _, _, over in combo for k, v in over.items()}
+            values = {k: v for _, _, over in combo for k, v in over.items() if k != "presets"}
+            presets = {name: dict(v) for name, v in entry.presets.items()}
+            for _, _, over in combo:
+                for name, v in (over.get("presets") or {}).items():
+                    presets[name] = {**presets.get(name, {}), **v}
             try:
                 name = _fill(entry.name, names) if entry.name else " ".join(str(lab) for _, lab, _ in combo)
                 group = _fill(entry.group, names)
@@ -199,7 +207,7 @@ def expand(spec: TableSpec) -> list[Row]:
                 raise ConfigError(f"rows[{i}].name", f"the template names {{{err.args[0]}}}, which is not an axis "
                                                      f"of the grid{did_you_mean(err.args[0], names)}; axes: "
                                                      f"{', '.join(names)} (in {spec.path})") from None
-            rows.append(Row(name, group, {**entry.set, **values}, dict(entry.presets), tags, entry.optional))
+            rows.append(Row(name, group, {**entry.set, **values}, presets, tags, entry.optional, entry.scenario))
     seen: set[tuple[str, str]] = set()
     for row in rows:
         if (row.group, row.name) in seen:
@@ -268,27 +276,37 @@ def cells(spec: TableSpec, *, preset: str | None = None, overrides: list[str] | 
 
     rows = expand(spec) if rows is None else rows
     row_sets = row_sets or {}
+    known_rows = [r.name for r in expand(spec)] + [r.name for r in rows]   # a row-set for an unselected row: fine
     for name in row_sets:
-        if name not in {r.name for r in rows}:
-            raise ConfigError("--row-set", f"no row {name!r}{did_you_mean(name, [r.name for r in rows])}")
+        if name not in known_rows:
+            raise ConfigError("--row-set", f"no row {name!r}{did_you_mean(name, known_rows)}")
     known = set(spec.presets) | {p for r in rows for p in r.presets}
     if preset is not None and preset not in known:
         raise ConfigError("--preset", f"the table has no preset {preset!r}{did_you_mean(preset, known)}; "
                                       f"presets: {', '.join(sorted(known)) or 'none'} (in {spec.path})")
-    base: dict = {}
-    if spec.scenario:
-        base = apply_overrides(base, load_scenario(spec.scenario, Path(spec.path) if spec.path else None))
-    for what, values in (("set", spec.set), (f"presets.{preset}", spec.presets.get(preset) or {})):
-        try:
-            base = apply_overrides(base, values)
-        except ConfigError as err:
-            raise ConfigError(f"{what}.{err.field}", f"{err.message} (in {spec.path})") from None
-    base = apply_overrides(base, overrides or [])
+    def shared(scenario: str | None) -> dict:
+        base: dict = {}
+        if scenario:
+            base = apply_overrides(base, load_scenario(scenario, Path(spec.path) if spec.path else None))
+        for what, values in (("set", spec.set), (f"presets.{preset}", spec.presets.get(preset) or {})):
+            try:
+                base = apply_overrides(base, values)
+            except ConfigError as err:
+                raise ConfigError(f"{what}.{err.field}", f"{err.message} (in {spec.path})") from None
+        return apply_overrides(base, methods)
+
+    # --set: a method's hyperparameters before the rows (a row's method and its own values stay, and
+    # a shared method.lam must not reach a row of another method), everything else after them
+    given = [o if isinstance(o, str) else f"{o[0]}={o[1]}" for o in overrides or []]
+    methods = [o for o in given if o.startswith("method.")]
+    others = [o for o in given if not o.startswith("method.")]
+    bases = {name: shared(name) for name in dict.fromkeys(r.scenario or spec.scenario for r in rows)}
     out: list[Cell] = []
     for seed in seeds if seeds is not None else spec.seeds:
         for row in rows:
-            raw = apply_overrides(base, row.set)
+            raw = apply_overrides(bases[row.scenario or spec.scenario], row.set)
             raw = apply_overrides(raw, row.presets.get(preset) or {})
+            raw = apply_overrides(raw, others)
             raw = apply_overrides(raw, row_sets.get(row.name, {}))
             raw = apply_overrides(raw, {"seed": seed, "tracking.enabled": track})
             try:
