@@ -55,7 +55,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 CLASSES = 62
 PIXELS = 784

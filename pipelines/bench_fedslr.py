@@ -17,17 +17,15 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from pfl.config import apply_overrides  # noqa: E402
-from pfl.resolver import load  # noqa: E402
-from pfl.schema import ConfigError  # noqa: E402
-from pfl.tracking import Tracker, run_hint  # noqa: E402
-from pfl.tune.space import load_scenario  # noqa: E402
+from pfl.config import apply_overrides
+from pfl.resolver import load
+from pfl.schema import ConfigError
+from pfl.tracking import Tracker, run_hint
+from pfl.tune.space import load_scenario
 
 MODEL_INPUTS = {"cnn_fedavg": ((1, 28, 28), 10), "cnn_fpfc": ((1, 28, 28), 10),
                 "resnet18_gn": ((3, 32, 32), 100), "vgg11": ((3, 32, 32), 10), "mlp": ((784,), 10)}

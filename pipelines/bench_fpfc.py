@@ -18,9 +18,7 @@ import statistics
 import sys
 import time
 from pfl.callbacks.divergence import run_rounds
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def sync(device) -> None:

@@ -58,7 +58,6 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 FMNIST = {"data.source": "fmnist", "data.num_clients": 1000, "data.partition.kind": "dirichlet",
           "data.partition.alpha": 0.5, "model.name": "cnn_fedavg", "federation.clients_per_round": 50,

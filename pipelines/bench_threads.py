@@ -24,7 +24,6 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 WORKLOADS = {
     "s1": ["--scenario", "fpfc_s1", "--set", "method.name=fpfc", "federation.rounds=20", "federation.eval_every=10"],

@@ -19,12 +19,10 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pfl.schema import ConfigError  # noqa: E402
-from pfl.tracking import run_hint  # noqa: E402
+from pfl.schema import ConfigError
+from pfl.tracking import run_hint
 
 
 def resume_command(argv: list[str] | None) -> str:

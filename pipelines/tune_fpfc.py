@@ -28,10 +28,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pfl.schema import ConfigError, from_dict, to_dict  # noqa: E402
-from pfl.tune.path_settings import DIRECTIONS  # noqa: E402
+from pfl.schema import ConfigError, from_dict, to_dict
+from pfl.tune.path_settings import DIRECTIONS
 
 
 def apply_preset(space, name: str | None):

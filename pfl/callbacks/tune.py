@@ -23,8 +23,9 @@ def is_eval(metrics: dict[str, float]) -> bool:
 
 
 class TuneReporter(Callback):
-    def __init__(self, every: int = 5, run_id: Callable[[], str | None] = lambda: None):
+    def __init__(self, every: int = 5, run_id: Callable[[], str | None] = lambda: None, final: bool = True):
         self.every = max(1, int(every))
+        self.final = final   # a checkpoint at the last round (a table's cell reports its record after it instead)
         self.run_id = run_id
         self.last_saved = None
         self.last_eval: dict[str, float] = {}
@@ -50,7 +51,8 @@ class TuneReporter(Callback):
             return  # Tune sees evaluation rounds only, so every report holds the searched metric
         self.last_eval = dict(metrics)
         last = loop.sim.round >= loop.sim.cfg.federation.rounds
-        self._report(loop, metrics, checkpoint=last or loop.sim.executed - self.last_saved >= self.every)
+        due = loop.sim.executed - self.last_saved >= self.every
+        self._report(loop, metrics, checkpoint=(last and self.final) or (due and not last))
 
     def on_end(self, loop, result: LoopResult) -> None:
         if result.status == "FINISHED" and loop.summary:

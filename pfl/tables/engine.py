@@ -154,6 +154,9 @@ def run_table(spec: TableSpec, cells: list[Cell], *, address: str | None = None,
     def bind(setup: dict[str, Any]):
         return tune.with_resources(tune.with_parameters(table_trainable, setup=setup), res)
 
+    # Tune's own CSV/JSON/TensorBoard files per cell: the cells' MLflow runs hold their metrics, and
+    # the records come from the experiment's state
+    os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
     callbacks = [MlflowStatusCallback()] + ([ProgressLines(progress, label, spec.metric)] if progress else [])
     run_config = tune.RunConfig(name=name, storage_path=str(exp_path.parent), verbose=0, callbacks=callbacks,
                                 failure_config=tune.FailureConfig(max_failures=0, fail_fast=False),
@@ -171,7 +174,9 @@ def run_table(spec: TableSpec, cells: list[Cell], *, address: str | None = None,
         parent = open_parent(spec, cells, name)
         setup = {"cells": [c.raw for c in cells], "parent_run_id": parent.run_id, "env": export_environment(),
                  "experiment": first.tracking.experiment, "cpus": res["cpu"],
-                 "checkpoint_every": spec.checkpoint_every, "trial_hook": spec.trial}
+                 "checkpoint_every": spec.checkpoint_every, "trial_hook": spec.trial,
+                 # a finished cell reports its record: a resume never continues it, so no last checkpoint
+                 "final_checkpoint": False}
         exp_path.mkdir(parents=True, exist_ok=True)
         state = {"parent_run_id": parent.run_id, "fingerprint": print_fingerprint, "setup": setup}
         state_path.write_text(json.dumps(state))

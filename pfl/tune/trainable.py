@@ -104,7 +104,8 @@ def run_trial(cfg, setup: dict[str, Any], steering: Sequence[Callback] = (), unt
     torch.set_num_threads(cfg.federation.threads)
     sim = simulator_for(cfg)(cfg, data=data)
     logger = MLflowLogger(trial_run_opener(setup, cfg))
-    reporter = TuneReporter(int(setup.get("checkpoint_every", 5)), run_id=lambda: logger.run_id)
+    reporter = TuneReporter(int(setup.get("checkpoint_every", 5)), run_id=lambda: logger.run_id,
+                            final=bool(setup.get("final_checkpoint", True)))
     loop = RoundLoop(sim, [StopOnDivergence(), *steering, logger, reporter])
     checkpoint = tune.get_checkpoint()
     if checkpoint is not None:
