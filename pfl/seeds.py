@@ -89,7 +89,7 @@ def aggregate(records: Sequence[dict], key: str = "last_mean", reference: str | 
     ``failed`` and left out of every mean.
 
     ``reference``: None (no comparison), ``"best"`` (the row of the group with the highest mean
-    ``key``), a row label, or a function group → row label.
+    ``key``), a row label, or a function group → row label (or ``"best"``).
     """
     order: list[tuple[str, str]] = []
     by: dict[tuple[str, str], list[dict]] = {}
@@ -123,10 +123,10 @@ def _compare(rows: list[dict], key: str, reference: str | Callable[[str], str]) 
     groups = list(dict.fromkeys(r["group"] for r in rows))
     for g in groups:
         members = [r for r in rows if r["group"] == g]
-        if reference == "best":
+        label = reference(g) if callable(reference) else reference
+        if label == "best":
             ref = max(members, key=lambda r: -math.inf if r[f"{key}_mean"] != r[f"{key}_mean"] else r[f"{key}_mean"])
         else:
-            label = reference(g) if callable(reference) else reference
             ref = next((r for r in members if r["row"] == label), None)
             if ref is None:
                 continue

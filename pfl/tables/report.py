@@ -95,7 +95,7 @@ def summarize(spec: TableSpec, cells: list[Cell], records: list[dict]) -> tuple[
             if col.kind == "bytes":
                 value = r.get(f"{col.key}_mean", NAN)
                 return "–" if value != value else format_bytes(value)
-            return str(col.values.get(r["row"], ""))
+            return str(col.values.get(f"{r['group']}/{r['row']}" if r["group"] else r["row"], ""))
         return cell_text
 
     columns = [(c.name, c.title or c.name, c.scale, c.digits) for c in spec.columns if c.show]

@@ -47,7 +47,7 @@ class TextColumn:
     kind: str = hp("tag", "tag: a row's tag; config: a config value; bytes: a column's mean as bytes; "
                           "values: a fixed text per row", choices=TEXT_KINDS)
     key: str = hp("", "the tag, dotted config key or column it shows")
-    values: dict = hp(default_factory=dict, doc="row name → text (kind values)")
+    values: dict = hp(default_factory=dict, doc="ROW (or GROUP/ROW in a group) → text (kind values)")
 
 
 @dataclass
