@@ -79,19 +79,21 @@ def test_grids_expand_in_axis_order_with_labelled_axes_and_templates(tmp_path):
 def test_layering_rows_over_shared_values_and_the_command_line(tmp_path):
     path = _write(tmp_path, {"set": {**SMALL, "method.name": "ditto", "method.lam": 0.5},
                              "presets": {"quick": {"federation.rounds": 2}},
-                             "rows": [{"name": "a", "set": {"method.lam": 0.1},
+                             "rows": [{"name": "a", "set": {"method.lam": 0.1, "federation.rounds": 7},
                                        "presets": {"quick": {"federation.lr": 0.3}}},
-                                      {"name": "b"}]})
+                                      {"name": "b"}, {"name": "c", "set": {"method.name": "fedavg"}}]})
     spec = load_table(path)
-    a, b = cells(spec, preset="quick", overrides=["method.lam=2", "federation.rounds=3"], seeds=[0], track=False,
-                 row_sets=parse_row_sets(["b:federation.lr=0.01"]))
-    assert a.config.method.hparams.lam == 0.1 and b.config.method.hparams.lam == 2.0   # the row's value wins
-    assert a.config.federation.rounds == b.config.federation.rounds == 3               # --set after quick
+    a, b, c = cells(spec, preset="quick", overrides=["method.lam=2", "federation.rounds=3"], seeds=[0], track=False,
+                    row_sets=parse_row_sets(["b:federation.lr=0.01"]))
+    assert a.config.method.hparams.lam == 0.1 and b.config.method.hparams.lam == 2.0   # the row's method value wins
+    assert not hasattr(c.config.method.hparams, "lam")        # a shared method value never reaches another method
+    assert a.config.federation.rounds == b.config.federation.rounds == 3               # --set: the last word
+    assert cells(spec, preset="quick", seeds=[0], track=False)[0].config.federation.rounds == 7   # the row's
     assert a.config.federation.lr == 0.3 and b.config.federation.lr == 0.01
     with pytest.raises(ConfigError, match="no preset 'paper'"):
         cells(spec, preset="paper", seeds=[0], track=False)
-    with pytest.raises(ConfigError, match="no row 'c'"):
-        cells(spec, seeds=[0], row_sets=parse_row_sets(["c:federation.lr=1"]), track=False)
+    with pytest.raises(ConfigError, match="no row 'd'"):
+        cells(spec, seeds=[0], row_sets=parse_row_sets(["d:federation.lr=1"]), track=False)
     with pytest.raises(ConfigError, match="did you mean 'b'"):
         select_rows(expand(spec), ["bb"], None)
     assert [r.name for r in select_rows(expand(spec), None, ["b"])] == ["b"]
