@@ -95,6 +95,14 @@ class ModelConfig:
 
 
 @dataclass
+class WorkerResources:
+    """What each worker of ``federation.workers`` asks Ray for (pfl/federation/workers.py)."""
+    cpu: float = hp(1.0, "CPUs per worker (a fraction lets workers share a core)", low=0.0, low_open=True)
+    gpu: float = hp(0.0, "GPUs per worker (a fraction lets several workers share one GPU); a run on a GPU "
+                         "(federation.device) needs it above 0, a run on CPU at 0", low=0.0)
+
+
+@dataclass
 class FederationConfig:
     rounds: int = hp(50, "number of communication rounds", low=1)
     clients_per_round: int = hp(10, "clients sampled per round (capped at data.num_clients; 0 = all)", low=0)
@@ -152,6 +160,11 @@ class FederationConfig:
                       doc="the order of the wire's stages (pfl/federation/wire.py): a sender runs them first to "
                           "last, a receiver last to first; [attack, compression] puts a Byzantine client behind "
                           "compressed uplinks, [compression, attack] lets it rewrite its encoded message")
+    workers: int = hp(1, "processes a round's clients train in: 1 = this process; N > 1 = N Ray actors (on the "
+                         "cluster RAY_ADDRESS names, else a Ray instance started here), each building the model, the "
+                         "method's client side and the client data from this config; results are the same bit for "
+                         "bit, and a resumed run may use another N", low=1)
+    worker_resources: WorkerResources = hp(default_factory=WorkerResources)
     driver: str = hp("sync", "round driver: 'sync' (sampled cohorts) or 'async' (event-driven: simulated "
                              "device delays, the server updates on every arrival; methods with an "
                              "asynchronous form only)", choices=("sync", "async"))
@@ -222,8 +235,8 @@ class EvaluationConfig:
                                   "local update produced, kept in its state) on its test split: local/test_*")
     server_test: bool = hp(False, "the global model on the union of the evaluated clients' test splits as one "
                                   "pooled set (every sample weighs the same): server/test_*")
-    trained_apart: bool = hp(False, "when some evaluated clients never trained, also report the trained clients' "
-                                    "test/trained/* and their count test/trained/clients (synchronous driver)")
+    trained_apart: bool = hp(True, "when some evaluated clients never trained, also report the trained clients' "
+                                   "test/trained/* and their count test/trained/clients (synchronous driver)")
     untrained_model: str = hp("method", "what a client that never trained is evaluated with: its personal model "
                                         "(personal), the global model it receives (global), or what the method "
                                         "declares (method: Method.untrained_model)", choices=UNTRAINED_MODELS)

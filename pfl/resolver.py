@@ -70,6 +70,8 @@ def resolve(raw: dict | None) -> ExperimentConfig:
         able = ", ".join(m.name for m in list_methods() if m.supports_async)
         raise ConfigError("federation.driver", f"method {name!r} has no asynchronous form; "
                                                f"'async' is allowed for: {able}")
+    if federation.driver == "async" and "trained_apart" not in (raw.get("evaluation") or {}):
+        evaluation.trained_apart = False  # the default's: an asynchronous run has no rounds of sampled clients
     if federation.driver == "async" and (evaluation.when or evaluation.local_model or evaluation.trained_apart):
         key = "when" if evaluation.when else "local_model" if evaluation.local_model else "trained_apart"
         raise ConfigError(f"evaluation.{key}", "evaluates around synchronous rounds; with federation.driver=async "

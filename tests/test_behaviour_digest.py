@@ -189,7 +189,7 @@ def _unmeasured(value):
     if isinstance(value, dict):
         return {k: _unmeasured(v) for k, v in value.items()
                 if not (isinstance(k, str) and ("time" in k or "seconds" in k) and k != "time/sim_clock")
-                and k not in ADDED_SINCE}
+                and k not in ADDED_SINCE and not (isinstance(k, str) and k.startswith("test/trained/"))}
     if isinstance(value, (list, tuple)):
         return type(value)(_unmeasured(v) for v in value)
     return value

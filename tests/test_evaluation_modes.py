@@ -149,5 +149,17 @@ def test_the_catalog_lists_every_evaluation_metric_a_run_reports():
                  "test/trained/acc_mean", "test/trained/clients"):
         assert name in logged and metric_known(name, catalog)
     default = reported_metrics(small_config(method__name="ditto"))
-    assert not any(metric_known(n, default) for n in ("fit/before/test_acc_mean", "server/test_acc",
-                                                      "test/trained/acc_mean", "local/test_acc"))
+    assert not any(metric_known(n, default) for n in ("fit/before/test_acc_mean", "server/test_acc", "local/test_acc"))
+    assert metric_known("test/trained/acc_mean", default)   # said apart by default, when some never trained
+
+
+def test_never_trained_clients_are_said_apart_by_default_and_only_then(problem):
+    """A default run where some evaluated clients never trained reports test/trained/* beside test/*;
+    one where every client trained reports nothing new (its test/* is the trained clients')."""
+    partial = simulator(p := problem, "local", steps=K, lr=LR, per_round=2)
+    partial.run_round()
+    metrics = partial.evaluate()
+    assert metrics["test/trained/clients"] == 2 and "test/trained/rmse_mean" in metrics
+    everyone = simulator(p, "local", steps=K, lr=LR, per_round=p.m)
+    everyone.run_round()
+    assert not any(k.startswith("test/trained/") for k in everyone.evaluate())
