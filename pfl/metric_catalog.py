@@ -27,6 +27,8 @@ ASYNC_METRICS = ("time/sim_clock", "async/arrivals")
 #: under an attack (pfl/federation/attacks.py) and with newcomers (pfl/federation/newcomers.py)
 ATTACK_METRICS = ("attack/benign_clients", "attack/diverged")
 NEWCOMER_METRICS = ("newcomer/*", "comm/join_up_bytes", "comm/join_down_bytes")
+#: with federation.workers > 1 (pfl/federation/workers.py): bytes to and from the workers, workers restarted
+WORKER_METRICS = ("workers/sent_bytes", "workers/received_bytes", "workers/restarts")
 
 
 def reported_metrics(cfg) -> tuple[str, ...]:
@@ -40,6 +42,8 @@ def reported_metrics(cfg) -> tuple[str, ...]:
         names += ATTACK_METRICS
     if cfg.newcomers.fraction > 0:
         names += NEWCOMER_METRICS
+    if cfg.federation.workers > 1:
+        names += WORKER_METRICS
     if cfg.federation.eval_clients:
         names.append("eval/clients")  # how many clients an evaluation covered (the sample, or everyone at the end)
     if cfg.federation.cohort != "sequential":

@@ -76,6 +76,9 @@ def run_experiment(cfg: ExperimentConfig, *, progress: Callable[[str], None] | N
     elif resume and ckpt is not None and progress:
         progress(f"no checkpoint at {ckpt}: a new run")
     result = loop.run()
+    close = getattr(sim.exchange.runner, "close", None)
+    if close is not None:  # a worker pool gives its processes back (a later exchange starts them again)
+        close()
     final: dict[str, float] = {}
     for row in sim.history:
         final.update(row)

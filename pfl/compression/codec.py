@@ -385,6 +385,13 @@ class Codec(Stage):
         self._flushed = [0, 0]
         return out
 
+    def take_tallies(self) -> dict:
+        out, self._flushed = ({"flushed": self._flushed} if self._flushed[1] else {}), [0, 0]
+        return out
+
+    def add_tallies(self, tallies: dict) -> None:
+        self._flushed = [a + b for a, b in zip(self._flushed, tallies.get("flushed", (0, 0)))]
+
     def state_dict(self) -> dict:
         """The trips in flight (the asynchronous driver): the values they were meant to carry. The
         mirrors are in the client store, whose part of a checkpoint is written after this one."""

@@ -45,10 +45,12 @@ from .store import StoreError
 
 CHECKPOINT_FORMAT = 4   # 3: no checksums (pfl before Nov 27, 2026)
 #: config keys a resumed run may change: the round budget, tracking, and settings that do not
-#: change what is computed (threads, checkpoint period, where client state is kept, the memory budgets)
+#: change what is computed (threads, checkpoint period, where client state is kept, the memory budgets,
+#: the worker processes)
 RESUMABLE_CHANGES = ("federation.rounds", "federation.threads", "federation.checkpoint_every",
                      "federation.client_state_device", "federation.client_store", "federation.client_memory_gb",
-                     "federation.client_store_dir", "federation.server_memory_gb", "tracking.")
+                     "federation.client_store_dir", "federation.server_memory_gb", "federation.workers",
+                     "federation.worker_resources.", "tracking.")
 
 
 class CheckpointError(ConfigError):

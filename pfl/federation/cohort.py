@@ -74,6 +74,9 @@ class Sequential:
     def take_sequential(self) -> set[int]:
         return set()
 
+    def round_metrics(self) -> dict[str, float]:
+        return {}
+
 
 class _Seat(Compute):
     """A client's place in a running cohort: a request pauses its step until the cohort answers."""
@@ -116,6 +119,9 @@ class Cohort:
         """The clients that ran alone because a request could not be batched, since the last call."""
         out, self.sequential = self.sequential, set()
         return out
+
+    def round_metrics(self) -> dict[str, float]:
+        return {}
 
     def run(self, jobs: Mapping[int, Job]) -> dict[int, Any]:
         """``job(seat)`` for every client of ``jobs``; their results by client."""
@@ -200,6 +206,17 @@ def batches_model(model: Any) -> bool:
     return False
 
 
+def cohort_runner(fed: Any, method_cls: Any, device: Any, model: Any) -> "Sequential | Cohort":
+    """The runner ``federation.cohort`` asks for. ``auto`` batches only on a GPU: on CPU the batched
+    cohort measured no faster than the loop, for training and evaluation alike
+    (pipelines/bench_cohort.py); a model with running statistics never batches (:func:`batches_model`)."""
+    vectorized = fed.cohort == "vectorized" or (
+        fed.cohort == "auto" and method_cls.cohort == "vectorized" and device.type == "cuda")
+    if vectorized and batches_model(model):
+        return Cohort(fed.cohort_chunk, vectorizable=method_cls.cohort == "vectorized", method=method_cls.name)
+    return Sequential()
+
+
 def chunks(items: Sequence[int], size: int) -> list[list[int]]:
     """``items`` in pieces of at most ``size`` (0: one piece)."""
     if not size or size >= len(items):
@@ -207,4 +224,4 @@ def chunks(items: Sequence[int], size: int) -> list[list[int]]:
     return [list(items[i:i + size]) for i in range(0, len(items), size)]
 
 
-__all__ = ["Cohort", "Compute", "DIRECT", "Direct", "Job", "Sequential", "batches_model", "chunks"]
+__all__ = ["Cohort", "Compute", "DIRECT", "Direct", "Job", "Sequential", "batches_model", "chunks", "cohort_runner"]

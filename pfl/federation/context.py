@@ -107,3 +107,15 @@ class RunContext:
         """
         params = init_params(model or self.model, self.generator("init", *parts))
         return {k: v.to(self.device) for k, v in params.items()}
+
+
+def resolve_device(name: str) -> torch.device:
+    """The torch device ``federation.device`` names on this machine (``auto``: CUDA when there is one)."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        return torch.device("cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"federation.device={name!r} but CUDA is not available; use cpu or auto")
+    return dev

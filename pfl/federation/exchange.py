@@ -16,7 +16,10 @@ clients of a part together with their training and evaluation requests batched. 
 code path; the cohort only decides which clients form a part (:meth:`parts`) and which compute
 object their handles get. With a ``window`` (a store that keeps states on disk), the clients go to
 the cohort at most ``window`` at a time, so an evaluation of every client holds only a window's
-states and data in memory.
+states and data in memory. With ``federation.workers`` > 1 the runner is a worker pool
+(:mod:`pfl.federation.workers`): step 3 of a whole part runs in worker processes, which get the
+delivered downlinks and loaded states and give back replies, locals and new states; steps 1, 2 and 4
+and the store stay here, in the part's client order.
 
 Every client of ``clients`` ends as an :class:`Arrival`. Without ``receive`` the exchange returns
 them all; with it, each arrival goes to ``receive`` as soon as it is delivered (a part at a time)
@@ -61,7 +64,7 @@ class Exchange:
                  prefetch: Callable[[list[int]], None] | None = None):
         self.wire = wire
         self.store = store
-        self.runner = runner   # pfl.federation.cohort.Sequential or Cohort
+        self.runner = runner   # pfl.federation.cohort.Sequential or Cohort, or pfl.federation.workers.WorkerPool
         self.handle = handle
         self.window = window
         self.prefetch = prefetch  # builds a window's client data together (data built on demand)
@@ -91,17 +94,26 @@ class Exchange:
         self.store.open()
         sent = {cid: self.wire.sent(phase, cid, downs[cid]) for cid in downs}
         states = {cid: self.store.load(cid) for cid in downs}
-        clients: dict[int, ClientHandle] = {}
+        # a worker pool (pfl.federation.workers) runs the part's client sides in its processes and
+        # hands back (reply, local, new state); None: this side runs here
+        ship = getattr(self.runner, "ship", None)
+        shipped = ship(phase, downs, states, client_side) if ship is not None else None
+        if shipped is not None:
+            results = {cid: shipped[cid][:2] for cid in downs}
+            after = {cid: shipped[cid][2] for cid in downs}
+        else:
+            clients: dict[int, ClientHandle] = {}
 
-        def job(cid: int) -> Job:
-            def run(compute: Compute):
-                clients[cid] = client = self.handle(cid, states[cid], compute)
-                return self.wire.client_side(phase, client, downs[cid], client_side)
-            return run
+            def job(cid: int) -> Job:
+                def run(compute: Compute):
+                    clients[cid] = client = self.handle(cid, states[cid], compute)
+                    return self.wire.client_side(phase, client, downs[cid], client_side)
+                return run
 
-        results = self.runner.run({cid: job(cid) for cid in downs})
+            results = self.runner.run({cid: job(cid) for cid in downs})
+            after = {cid: clients[cid].state for cid in downs}
         for cid in downs:
-            self.store.save(cid, clients[cid].state)
+            self.store.save(cid, after[cid])
         out: dict[int, Arrival] = {}
         for cid in downs:
             reply, local = results[cid]

@@ -80,7 +80,7 @@ def join_newcomers(sim) -> dict[str, float]:
         return {}
     if sim.join_result is not None:
         return dict(sim.join_result)
-    method, client_role = sim.method, sim.client_role
+    method = sim.method
     start = sim.round
     method.join_begin(start, newcomers)
     steps = 0
@@ -90,8 +90,7 @@ def join_newcomers(sim) -> dict[str, float]:
             break
         rnd = start + step
         arrivals = sim.exchange(Phase("join", rnd, step), active,
-                                lambda cid: method.join_message(rnd, step, cid),
-                                lambda client, msg: (client_role.join_update(rnd, step, client, msg), None))
+                                lambda cid: method.join_message(rnd, step, cid), sim.join_side(rnd, step))
         method.join_aggregate(rnd, step, {cid: a.reply for cid, a in arrivals.items() if a.reply is not None})
         steps += 1
     sim.newcomers_joined = True

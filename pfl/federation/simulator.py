@@ -29,48 +29,38 @@ import torch
 from ..compression import codec  # noqa: F401  (registers the compression stage)
 from ..config import ExperimentConfig
 from ..data import load_federated
-from ..evaluation import evaluate_plan, summarize
-from ..methods import ClientHandle, EvalPlan, Method, get_method
+from ..evaluation import summarize
+from ..methods import ClientHandle, Method, get_method
 from ..models import build_model
 from ..models.custom import prepare_model
 from ..schema import from_dict, to_dict
 from ..server_memory import check_server_memory, declares_memory, model_size
 from . import attacks  # noqa: F401  (registers the attack stage)
 from . import eval_modes
-from .cohort import DIRECT, Cohort, Compute, Sequential, batches_model
+from .cohort import DIRECT, Cohort, Compute, cohort_runner
 from .comm import CommLedger
-from .context import FederationMeta, RunContext
+from .context import FederationMeta, RunContext, resolve_device
 from .diskstore import DiskStore
 from .exchange import Exchange, Phase
 from .messages import Message
 from .newcomers import newcomer_clients
 from .pooled import Measurement, Pool
+from .sides import ClientSides
 from .population import Population
 from .state import clone, to_device, tree_map
 from .store import ClientStore, memory_store, plan_store, release_heap, state_estimate
-from .wire import Chain, ClientSide, Stage, Wire, build_stages
+from .wire import Chain, Stage, Wire, build_stages
 
 
 #: a disk-store run returns freed heap memory to the system after windows of this many bytes
 TRIM_BYTES = 64 * 2**20
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        return torch.device("cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"federation.device={name!r} but CUDA is not available; use cpu or auto")
-    return dev
-
-
 class DivergedError(RuntimeError):
     """Training produced a non-finite loss."""
 
 
-class Simulator:
+class Simulator(ClientSides):
     def __init__(self, cfg: ExperimentConfig, data=None, stages: list[Stage] | None = None):
         self.cfg = cfg
         self.start_config = cfg.to_dict()  # what a checkpoint is compared with on resume
@@ -103,11 +93,6 @@ class Simulator:
         self.method: Method
         self.client_role: Method
         self.method, self.client_role = method_cls.create(cfg.method.hparams, self.ctx)
-        # auto batches only on a GPU: on CPU the batched cohort measured no faster than the loop,
-        # for training and evaluation alike (pipelines/bench_cohort.py)
-        self.vectorized = fed.cohort == "vectorized" or (
-            fed.cohort == "auto" and method_cls.cohort == "vectorized" and self.device.type == "cuda")
-        self.vectorized = self.vectorized and batches_model(model)  # BatchNorm: sequential, said once
         self.ledger = CommLedger()
         # the run's stages in declared order (federation.stages), then any a caller adds
         chain = build_stages(cfg, self.ctx, self.method)
@@ -120,8 +105,11 @@ class Simulator:
         self._untrimmed = 0.0   # bytes of windows since the heap was last trimmed (disk store)
         self.store = self._make_store(model)
         self.wire.stages.bind_store(self.store)  # a stage's per-client server memories live in the store
-        runner = (Cohort(fed.cohort_chunk, vectorizable=method_cls.cohort == "vectorized", method=method_cls.name)
-                  if self.vectorized else Sequential())
+        runner = cohort_runner(fed, method_cls, self.device, model)
+        self.vectorized = isinstance(runner, Cohort)
+        if fed.workers > 1:  # the clients' steps in worker processes; only such a run imports Ray
+            from .workers import start_pool
+            runner = start_pool(self, runner, own_stages=bool(stages))
         self.exchange = Exchange(self.wire, self.store, runner, self._handle, window=self.plan.window,
                                  prefetch=self._next_window if self.plan.window else None)
         self.eval_exchange: Exchange | Measurement = self.exchange  # what evaluations go through
@@ -192,15 +180,6 @@ class Simulator:
         lives on the run's device)."""
         return self._handle(cid, self.store.load(cid))
 
-    def sample(self, rnd: int) -> list[int]:
-        """The clients of round ``rnd``: ``clients_per_round`` of the members (newcomers never)."""
-        return self.population.sample(rnd)
-
-    def training_side(self, rnd: int) -> ClientSide:
-        """The client side of a training exchange: the method's local update."""
-        side: ClientSide = lambda client, msg: (self.client_role.local_update(rnd, client, msg), None)  # noqa: E731
-        return eval_modes.fit_side(self, rnd, side)  # evaluation.when, local_model: evaluations around it
-
     # ---- one round -----------------------------------------------------------------------------
     def run_round(self, evaluate: bool | None = None) -> dict[str, float]:
         """Run the next round; returns its metrics (with evaluation metrics on evaluation rounds;
@@ -250,6 +229,7 @@ class Simulator:
         alone = self.exchange.runner.take_sequential()
         if alone:  # a batched cohort ran these clients one at a time (pfl.federation.cohort)
             metrics["cohort/sequential_clients"] = float(len(alone))
+        metrics.update(self.exchange.runner.round_metrics())  # a worker pool's traffic and restarts
         metrics.update(extra or {})
         metrics["time/elapsed_s"] = self.elapsed
         self.history.append(metrics)
@@ -265,17 +245,12 @@ class Simulator:
         on its own validation and test splits."""
         rnd = self.round - 1
         self.method.begin_eval(rnd, final)
-        task, with_global = self.data.task, self.cfg.federation.eval_global
+        task = self.data.task
         # the members (and the newcomers once they joined); federation.eval_clients: a fixed sample
         # of them, except at the final evaluation
         cids = self.population.evaluated(self.newcomers_joined, final)
-
-        def plan_and_row(client: ClientHandle, msg: Message | None):
-            plan = eval_modes.adjust_plan(self, client, self.client_role.eval_plan(rnd, client, msg))
-            return plan.reply, evaluate_plan(client, plan, task, with_global)
-
         arrivals = self.eval_exchange(Phase("eval", rnd), cids, lambda cid: self.method.eval_message(rnd, cid),
-                                      plan_and_row)
+                                      self.evaluation_side(rnd))
         replies = {cid: arrivals[cid].reply for cid in cids if arrivals[cid].reply is not None}
         rows = [self.population.mark(arrivals[cid].local) for cid in cids]
         self.method.eval_aggregate(rnd, replies)
@@ -307,10 +282,8 @@ class Simulator:
         """``<name>_acc`` (``<name>_rmse``): server-side models, one per client (``model_of(cid)``),
         sent to the clients (counted as evaluation traffic) and tested on their test splits."""
         rnd, task, cids = self.round - 1, self.data.task, self.evaluation_clients()
-        def test(client: ClientHandle, msg: Message):  # nothing goes back: the row is the client's measurement
-            return None, evaluate_plan(client, EvalPlan(msg.tensors()), task, False)
-
-        arrivals = self.eval_exchange(Phase("eval", rnd), cids, lambda cid: Message.model(model_of(cid)), test)
+        arrivals = self.eval_exchange(Phase("eval", rnd), cids, lambda cid: Message.model(model_of(cid)),
+                                      self.test_side())
         summary = summarize(self.summary_rows([self.population.mark(arrivals[cid].local) for cid in cids]), task)
         if task == "classification":
             return {f"{name}_acc": summary["test/acc_mean"]} if "test/acc_mean" in summary else {}
@@ -324,14 +297,9 @@ class Simulator:
         rnd = self.round - 1
         self.method.begin_eval(rnd, False)
         cids = self.evaluation_clients() if cids is None else cids
-
-        def personal(client: ClientHandle, msg: Message | None):
-            plan = self.client_role.eval_plan(rnd, client, msg)
-            return plan.reply, plan.personal
-
         stream = None if receive is None else (lambda arrival: receive(arrival.cid, arrival.local))
         arrivals = self.eval_exchange(Phase("eval", rnd), cids, lambda cid: self.method.eval_message(rnd, cid),
-                                      personal, stream)
+                                      self.personal_side(rnd), stream)
         return {cid: arrivals[cid].local for cid in cids} if receive is None else {}
 
     def personal_params(self, cid: int) -> dict[str, torch.Tensor]:

@@ -115,6 +115,15 @@ class Stage:
         (a downlink mirror) keeps it in a memory of the store (:meth:`ClientStore.memory`), bounded,
         snapshotted and checkpointed with the client states."""
 
+    def take_tallies(self) -> dict:
+        """What the client side counted for ``metrics`` since the last call, reset: a worker process
+        (:mod:`pfl.federation.workers`) runs client sides on its own stage objects and hands this
+        to the run's stage (:meth:`add_tallies`), whose metrics then count every client."""
+        return {}
+
+    def add_tallies(self, tallies: dict) -> None:
+        pass
+
 
 class Chain(Stage):
     """Stages in order: senders' sides first to last, receivers' sides last to first; the state of
@@ -166,6 +175,14 @@ class Chain(Stage):
         for stage in self.stages:
             stage.bind_store(store)
 
+    def take_tallies(self):
+        return {s.key: t for s in self.stages if (t := s.take_tallies())}
+
+    def add_tallies(self, tallies):
+        for stage in self.stages:
+            if stage.key in tallies:
+                stage.add_tallies(tallies[stage.key])
+
 
 class Wrapper(Stage):
     """A stage around another: the inner stage's name, state and metrics."""
@@ -185,6 +202,12 @@ class Wrapper(Stage):
 
     def bind_store(self, store):
         self.inner.bind_store(store)
+
+    def take_tallies(self):
+        return self.inner.take_tallies()
+
+    def add_tallies(self, tallies):
+        self.inner.add_tallies(tallies)
 
 
 class Only(Wrapper):

@@ -207,15 +207,17 @@ class Method:
         self.configure()
 
     @classmethod
-    def create(cls, hparams: Any, ctx: "RunContext") -> tuple["Method", "Method"]:
-        """The (server, client) objects of one run; see the module docstring."""
+    def create(cls, hparams: Any, ctx: "RunContext", setup: bool = True) -> tuple["Method", "Method"]:
+        """The (server, client) objects of one run; see the module docstring. ``setup=False`` leaves
+        the server without state (a worker process, pfl.federation.workers, uses only the client)."""
         server = cls(hparams, ctx)
         static = dict(vars(server))
         client = cls.__new__(cls)
         client.__dict__.update(static)
         client.__dict__["_role"] = "client"
         server.__dict__.update(_role="server", _static_names=frozenset(static))
-        server.setup()
+        if setup:
+            server.setup()
         return server, client
 
     def __setattr__(self, key: str, value: Any) -> None:

@@ -1,0 +1,134 @@
+"""A worker of the pool (:mod:`pfl.federation.workers`): the client half of a run in its own process.
+
+:class:`WorkerRun` builds, from the run's resolved config, what a client step needs and nothing the
+server has: the data (from the partition cache, each client built when it is first sent here), the
+model (seeded as the simulator seeds it), the method's client object (its static part derived from
+the config, no server state), the client side of the wire's stages (compression's decoding and
+encoding, an attack) and the cohort runner ``federation.cohort`` asks for. Every call
+(:meth:`WorkerRun.run`) brings a part's clients — their delivered downlinks and their states as the
+run's store loaded them — with the side's name (:mod:`pfl.federation.sides`), the lineage's round
+and the method's hyperparameters (a pipeline may change them between rounds), and returns each
+client's reply (through its side of the wire), what the simulator observes (an evaluation row) and
+its new state. Nothing stays here between calls but the data and the built objects, so any worker
+can take any client and a run may resume with another number of workers.
+
+Both directions are one ``torch.save`` byte string (:func:`dumps`): tensors keep their dtypes,
+values and aliasing (a state that names one tensor twice gets it back once), and its length is what
+crosses between the processes (``workers/sent_bytes``, ``workers/received_bytes``).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from typing import Any
+
+import torch
+
+from ..data import load_federated
+from ..methods import ClientHandle, get_method
+from ..models import build_model
+from ..models.custom import prepare_model
+from ..schema import from_dict, to_dict
+from .cohort import cohort_runner
+from .comm import CommLedger
+from .context import FederationMeta, RunContext, resolve_device
+from .newcomers import newcomer_clients
+from .population import Population
+from .sides import ClientSides
+from .wire import Wire, build_stages
+
+#: set in a worker's environment: its slot in the pool (tests and logs tell workers apart by it)
+WORKER_ENV = "PFL_WORKER"
+
+
+def dumps(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def loads(data: bytes, device: torch.device | str = "cpu") -> Any:
+    # the pool's own messages between its processes (never a file a user hands over)
+    return torch.load(io.BytesIO(data), map_location=device, weights_only=False)
+
+
+def data_signature(data) -> tuple:
+    """What a worker's data must share with the run's: the partition and the clients' sizes. A run
+    given data not built from its config (a test's own) cannot use workers."""
+    return (data.partition_hash, len(data.clients), data.num_classes, tuple(data.input_shape),
+            tuple(data.client_sizes()))
+
+
+class WorkerRun(ClientSides):
+    """The client half of a run (see the module docstring)."""
+
+    def __init__(self, config: dict, data_capacity: float | None = None):
+        from ..resolver import resolve
+
+        cfg = resolve(config)
+        self.cfg = cfg
+        fed = cfg.federation
+        if fed.threads:
+            torch.set_num_threads(fed.threads)
+        self.device = resolve_device(fed.device)
+        self.data = load_federated(cfg.data, cfg.seed, on_demand=True).to(self.device)
+        if data_capacity is not None:
+            self.data.keep_at_most(data_capacity)
+        torch.manual_seed(cfg.seed)  # as the simulator builds its model
+        model = build_model(cfg.model.name, cfg.model.params, self.data.input_shape,
+                            self.data.num_classes).to(self.device)
+        model = prepare_model(model, cfg, self.data)
+        self.ctx = RunContext(cfg=cfg, meta=FederationMeta.of(self.data), model=model, device=self.device,
+                              newcomers=newcomer_clients(cfg, len(self.data.clients)))
+        self.population = Population(self.ctx, self.data.client_ids)
+        method_cls = get_method(cfg.method.name)
+        _, self.client_role = method_cls.create(cfg.method.hparams, self.ctx, setup=False)
+        self.method = self.client_role  # the sides read only its class
+        self.wire = Wire(CommLedger(), build_stages(cfg, self.ctx, self.client_role))
+        self.runner = cohort_runner(fed, method_cls, self.device, model)
+        self.round = 0
+
+    def ready(self) -> dict:
+        return {"device": self.device.type, "data": data_signature(self.data), "pid": os.getpid()}
+
+    def run(self, payload: bytes) -> bytes:
+        call = loads(payload, self.device)
+        self.round = call["round"]
+        if call["hparams"] != to_dict(self.client_role.hp):  # plain data: composed methods' classes are made at run time
+            hparams = from_dict(type(self.client_role.hp), call["hparams"], "method")
+            self.client_role.set_hparams(hparams)
+            self.cfg.method.hparams = hparams
+        phase, side = call["phase"], self.side(call["spec"])
+        jobs = call["jobs"]
+        self.data.prefetch([cid for cid, _, _ in jobs])
+        handles: dict[int, ClientHandle] = {}
+
+        def job(cid: int, down, state: dict):
+            def work(compute):
+                handles[cid] = client = ClientHandle(cid, self.data.clients[cid], state, self.ctx,
+                                                     self.client_role.client_model(cid), compute)
+                return self.wire.client_side(phase, client, down, side)
+            return work
+
+        results = self.runner.run({cid: job(cid, down, state) for cid, down, state in jobs})
+        return dumps({"results": [(cid, *results[cid], handles[cid].state) for cid, _, _ in jobs],
+                      "sequential": sorted(self.runner.take_sequential()),
+                      "tallies": self.wire.stages.take_tallies()})
+
+
+class WorkerActor:
+    """The Ray actor around a :class:`WorkerRun` (``ray.remote`` is applied where the pool starts)."""
+
+    def __init__(self, init: bytes, slot: int):
+        os.environ[WORKER_ENV] = str(slot)
+        self.worker = WorkerRun(**loads(init))
+
+    def ready(self) -> dict:
+        return self.worker.ready()
+
+    def run(self, payload: bytes) -> bytes:
+        return self.worker.run(payload)
+
+
+__all__ = ["WORKER_ENV", "WorkerActor", "WorkerRun", "data_signature", "dumps", "loads"]

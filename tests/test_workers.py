@@ -1,0 +1,342 @@
+"""A run's clients in worker processes (``federation.workers``, pfl/federation/workers.py) compute
+what the same run computes in one process, bit for bit.
+
+The truth is the in-process run (``federation.workers: 1``, the code path every other test checks):
+every method, and the paths that put state or randomness on the client side of the wire
+(compression both ways with error feedback, half precision's counters, an attack before or after
+the codec, newcomers, the disk store, the asynchronous driver, the evaluation modes), run with 1
+and with N workers and are compared on their metrics, model states (every client's included),
+ledgers and last client tables. The quick tests run the workers' code in this process
+(``PFL_WORKER_BACKEND=local``: the same objects built apart from the run's, the same byte strings);
+the slow ones start Ray actors from a subprocess driver on the session's Ray head, kill one in the
+middle of a round, and ask for resources no node has.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import matrix, method_config, method_names, same, small_config, untimed
+from pfl.callbacks.divergence import run_rounds
+from pfl.federation.checkpoint import load_checkpoint, save_checkpoint
+from pfl.federation.drivers import simulator_for
+from pfl.federation.newcomers import join_newcomers
+from pfl.federation.state import encode
+from pfl.federation.workers import WorkerLost, workers_that_fit
+from pfl.schema import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+METHODS = method_names(composed=True)
+#: in the quick loop: a personal model (Ditto), a control variate (SCAFFOLD), a composed method whose
+#: hyperparameter class is made at run time (ALA), FedPD's three models from the first step
+FAST = ("ditto", "scaffold", "fedavg+ala", "fedpd")
+
+#: the paths beyond a plain round (each run with 1 and with 3 workers)
+PATHS = {
+    "compression both ways, error feedback": dict(
+        method__name="fedavg", compression__uplink={"name": "topk", "ratio": 0.2}, compression__error_feedback=True,
+        compression__downlink={"name": "qsgd", "s": 3}, compression__min_numel=32),
+    "half precision (its counter kept client-side)": dict(
+        method__name="ditto", compression__uplink={"name": "fp16"}, compression__downlink={"name": "fp16"}),
+    "an attack": dict(method__name="fedavg", attack__kind="sign_flip", attack__fraction=0.3),
+    "an attack behind the codec, on the head": dict(
+        method__name="fpfc", attack__kind="gaussian", attack__fraction=0.2, attack__scope="head",
+        federation__stages=["compression", "attack"], compression__uplink={"name": "qsgd", "s": 4}),
+    "the asynchronous driver": dict(method__name="fpfc", federation__driver="async", federation__rounds=4),
+    "newcomers (fine-tuning)": dict(method__name="ditto", newcomers__fraction=0.2, newcomers__finetune_rounds=2),
+    "the disk store": dict(method__name="ditto", federation__client_store="disk"),
+    "evaluation modes": dict(
+        method__name="fedavg", evaluation__when=["before", "after"], evaluation__local_model=True,
+        evaluation__untrained_model="global", evaluation__trained_apart=True, evaluation__server_test=True,
+        federation__eval_clients=0.5, data__num_clients=12, federation__clients_per_round=3),
+}
+
+
+@pytest.fixture
+def local_workers(monkeypatch):
+    monkeypatch.setenv("PFL_WORKER_BACKEND", "local")
+
+
+def finished(cfg):
+    sim = simulator_for(cfg)(cfg)
+    run_rounds(sim)
+    if cfg.newcomers.fraction:
+        sim.history.append(join_newcomers(sim))
+    return sim
+
+
+def without_workers(history):
+    return [{k: v for k, v in row.items() if not k.startswith("workers/")} for row in untimed(history)]
+
+
+def assert_same_run(pooled, alone) -> None:
+    assert without_workers(pooled.history) == untimed(alone.history)
+    same(encode(pooled.model_state()), encode(alone.model_state()))
+    assert pooled.ledger.state_dict() == alone.ledger.state_dict()
+    assert pooled.last_client_table == alone.last_client_table
+
+
+def shipped(sim) -> float:
+    return sum(row.get("workers/sent_bytes", 0.0) for row in sim.history)
+
+
+# ---- bit for bit, in this process ---------------------------------------------------------------
+
+@pytest.mark.parametrize("name", matrix(METHODS, FAST))
+def test_workers_compute_what_one_process_computes(local_workers, name):
+    def cfg(workers):
+        return method_config(name, federation__rounds=3, federation__momentum=0.5, federation__workers=workers)
+    pooled = finished(cfg(2))
+    assert shipped(pooled) > 0  # its clients did go through the workers
+    assert_same_run(pooled, finished(cfg(1)))
+
+
+@pytest.mark.parametrize("settings", PATHS.values(), ids=PATHS.keys())
+def test_workers_equal_one_process_on_the_other_paths(local_workers, settings):
+    pooled = finished(small_config(**settings, federation__workers=3))
+    assert shipped(pooled) > 0
+    assert_same_run(pooled, finished(small_config(**settings)))
+
+
+def test_half_precision_counts_what_the_workers_clients_flushed(local_workers):
+    settings = dict(method__name="fedavg", compression__uplink={"name": "fp16"}, federation__lr=0.001)
+    alone = finished(small_config(**settings))
+    assert any(row["comm/fp16_flushed"] > 0 for row in alone.history)  # only the uplink flushes: client-side
+    assert_same_run(finished(small_config(**settings, federation__workers=2)), alone)
+
+
+def test_a_vectorized_cohort_in_workers_agrees_up_to_float_rounding(local_workers):
+    """A batched cohort's results depend on its groups at the level of float rounding (as batched
+    against sequential does): workers batch their own share of the clients."""
+    settings = dict(method__name="scaffold", federation__cohort="vectorized")
+    pooled, alone = finished(small_config(**settings, federation__workers=2)), finished(small_config(**settings))
+    a, b = encode(pooled.model_state()), encode(alone.model_state())
+    for k in b["server"]:
+        if isinstance(b["server"][k], dict):
+            for name, t in b["server"][k].items():
+                assert torch.allclose(a["server"][k][name], t, rtol=1e-4, atol=1e-6), (k, name)
+    assert pooled.history[-1]["test/acc_mean"] == pytest.approx(alone.history[-1]["test/acc_mean"], abs=0.02)
+
+
+def test_a_run_resumed_with_other_workers_equals_the_uninterrupted_one(local_workers, tmp_path):
+    def cfg(workers):
+        return method_config("ditto", federation__rounds=4, federation__workers=workers)
+    straight = finished(cfg(1))
+    first = finished_until(cfg(2), 2)
+    save_checkpoint(first, tmp_path / "ckpt.pt")
+    for workers in (3, 1):  # another N does not change what is computed
+        resumed = simulator_for(cfg(workers))(cfg(workers))
+        load_checkpoint(resumed, tmp_path / "ckpt.pt")
+        run_rounds(resumed)
+        same(encode(resumed.model_state()), encode(straight.model_state()))
+        assert without_workers(resumed.history) == untimed(straight.history)
+
+
+def finished_until(cfg, rounds):
+    sim = simulator_for(cfg)(cfg)
+    run_rounds(sim, until=rounds)
+    return sim
+
+
+def test_a_lost_worker_is_replaced_and_its_clients_run_again(local_workers, monkeypatch):
+    from pfl.federation import workers
+
+    real_get, lost = workers._LocalWorker.get, []
+
+    def dies_once(self, ref):
+        if not lost:
+            lost.append(True)
+            raise WorkerLost("killed")
+        return real_get(self, ref)
+
+    monkeypatch.setattr(workers._LocalWorker, "get", dies_once)
+    pooled = finished(method_config("ditto", federation__workers=2))
+    assert [row["workers/restarts"] for row in pooled.history] == [1.0, 0.0, 0.0]
+    assert_same_run(pooled, finished(method_config("ditto")))
+
+
+def test_a_worker_that_always_dies_stops_the_run(local_workers, monkeypatch):
+    from pfl.federation import workers
+
+    def dies(self, ref):
+        raise WorkerLost("out of memory")
+
+    monkeypatch.setattr(workers._LocalWorker, "get", dies)
+    sim = simulator_for(small_config(federation__workers=2))(small_config(federation__workers=2))
+    with pytest.raises(RuntimeError, match="died 4 times.*out of memory"):
+        run_rounds(sim)
+
+
+# ---- what crosses, and what does not -------------------------------------------------------------
+
+def test_a_round_ships_downlinks_and_states_never_the_data(local_workers):
+    """A small model on digits: the clients' data outweighs what a round of them sends and keeps."""
+    cfg = small_config(method__name="ditto", federation__workers=2, federation__eval_every=10,
+                       model__name="softmax_regression")
+    sim = finished(cfg)
+    sizes = sim.data.client_nbytes()
+    for rnd, row in enumerate(sim.history[:-1]):  # training only: the sampled clients' downlinks and states
+        data = float(sum(sizes[c] for c in sim.sample(rnd)))
+        assert row["comm/round_down_bytes"] < row["workers/sent_bytes"] < data / 4
+        assert row["comm/round_up_bytes"] < row["workers/received_bytes"] < data / 4
+
+
+def test_a_side_without_a_name_runs_in_the_run_process(local_workers):
+    from pfl.federation.wire import Phase
+
+    sim = simulator_for(small_config(federation__workers=2))(small_config(federation__workers=2))
+    seen = []
+    arrivals = sim.exchange(Phase("eval", 0), [0, 1, 2], lambda cid: None,
+                            lambda client, msg: (None, seen.append(client.cid) or client.cid))
+    assert seen == [0, 1, 2] and [a.local for a in arrivals.values()] == [0, 1, 2]
+    assert sim.exchange.runner.round_metrics()["workers/sent_bytes"] == 0
+
+
+def test_data_not_made_from_the_config_is_refused(local_workers):
+    from pfl.data import load_federated
+
+    other = small_config(data__num_clients=12)
+    data = load_federated(other.data, other.seed)
+    cfg = small_config(federation__workers=2)
+    with pytest.raises(ConfigError) as err:
+        simulator_for(cfg)(cfg, data=data)
+    assert err.value.field == "federation.workers"
+
+
+@pytest.mark.parametrize("key, value, words", [
+    ("federation.worker_resources.gpu", -1, ["federation.worker_resources.gpu", ">= 0"]),
+    ("federation.worker_resources.cpu", 0, ["federation.worker_resources.cpu", "> 0"]),
+    ("federation.worker_resources.tpu", 1, ["federation.worker_resources.tpu", "allowed fields: cpu, gpu"]),
+    ("federation.workers", 0, ["federation.workers", ">= 1"]),
+])
+def test_worker_settings_are_checked_naming_the_field(key, value, words):
+    with pytest.raises(ConfigError) as err:
+        small_config(**{key.replace(".", "__"): value})
+    assert all(w in str(err.value) for w in words), str(err.value)
+
+
+def test_workers_that_fit_counts_per_node():
+    nodes = [{"CPU": 2.0}, {"CPU": 16.0, "GPU": 2.0}]
+    assert workers_that_fit(nodes, 1, 0) == 18
+    assert workers_that_fit(nodes, 0.5, 0) == 36
+    assert workers_that_fit(nodes, 1, 0.25) == 8
+    assert workers_that_fit(nodes, 4, 1) == 2
+    assert workers_that_fit(nodes, 1, 1) == 2
+
+
+# ---- Ray actors, from a driver process on the session's Ray head ------------------------------------
+
+DRIVER = '''
+import json, os, sys, torch
+sys.path.insert(0, {tests!r})
+torch.set_num_threads(1)
+from helpers import small_config
+from pfl.callbacks.divergence import run_rounds
+from pfl.federation.drivers import simulator_for
+from pfl.federation.newcomers import join_newcomers
+from pfl.federation.state import encode
+out = {{}}
+for name, settings in json.loads(sys.argv[1]).items():
+    cfg = small_config(**settings)
+    sim = simulator_for(cfg)(cfg)
+    run_rounds(sim)
+    if cfg.newcomers.fraction:
+        sim.history.append(join_newcomers(sim))
+    out[name] = {{"history": sim.history, "state": encode(sim.model_state()), "ledger": sim.ledger.state_dict(),
+                 "table": sim.last_client_table, "pids": sim.exchange.runner.pids, "driver": os.getpid()}}
+torch.save(out, sys.argv[2])
+print("driver done")
+'''
+
+RAY_CASES = {
+    "fedavg, compression both ways, an attack": dict(
+        method__name="fedavg", compression__uplink={"name": "topk", "ratio": 0.2}, compression__error_feedback=True,
+        compression__downlink={"name": "qsgd", "s": 3}, compression__min_numel=32, attack__kind="sign_flip",
+        attack__fraction=0.3),
+    "fedavg+ala, the disk store": dict(method__name="fedavg+ala", federation__client_store="disk"),
+    "fpfc, the asynchronous driver": dict(method__name="fpfc", federation__driver="async", federation__rounds=4),
+    "ditto, newcomers": dict(method__name="ditto", newcomers__fraction=0.2, newcomers__finetune_rounds=2),
+}
+
+
+def drive(ray_cluster, tmp_path, cases: dict):
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER.format(tests=str(ROOT / "tests")))
+    env = {"RAY_ADDRESS": ray_cluster.address, "PFL_CACHE_DIR": str(tmp_path / "cache"),
+           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    proc = ray_cluster.popen([sys.executable, str(script), json.dumps(cases), str(tmp_path / "out.pt")], env,
+                             cwd=tmp_path)
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out[-4000:]
+    return torch.load(tmp_path / "out.pt", weights_only=False)
+
+
+def assert_same_as(result: dict, alone) -> None:
+    assert without_workers(result["history"]) == untimed(alone.history)
+    same(result["state"], encode(alone.model_state()))
+    assert result["ledger"] == alone.ledger.state_dict()
+    assert result["table"] == alone.last_client_table
+
+
+@pytest.mark.slow
+def test_ray_workers_compute_what_one_process_computes(ray_cluster, tmp_path):
+    results = drive(ray_cluster, tmp_path, {name: {**s, "federation.workers": 2} for name, s in RAY_CASES.items()})
+    for name, settings in RAY_CASES.items():
+        result = results[name]
+        pids = set(result["pids"].values())
+        assert len(pids) == 2 and result["driver"] not in pids, name  # two processes of their own
+        assert all(row["workers/sent_bytes"] > 0 for row in result["history"][:-1 if "newcomers" in name else None])
+        assert_same_as(result, finished(small_config(**settings)))
+
+
+DIES = '''
+import os
+from pfl.methods import register
+from pfl.methods.fedavg import FedAvg
+
+
+@register
+class FedAvgDies(FedAvg):
+    """FedAvg whose worker 1 dies (once: the marker file) in the middle of round 1."""
+    name = "fedavg_dies"
+
+    def local_update(self, rnd, client, msg):
+        if os.environ.get("PFL_WORKER") == "1" and rnd == 1:
+            try:
+                fd = os.open({mark!r}, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                pass
+            else:
+                os.close(fd)
+                os._exit(9)
+        return super().local_update(rnd, client, msg)
+'''
+
+
+@pytest.mark.slow
+def test_a_killed_ray_worker_is_replaced_and_the_round_gives_the_same_bits(ray_cluster, tmp_path):
+    plugin = tmp_path / "dies.py"
+    plugin.write_text(DIES.format(mark=str(tmp_path / "died")))
+    settings = dict(method__name="fedavg", federation__rounds=3)
+    result = drive(ray_cluster, tmp_path, {"dies": {**settings, "method.name": "fedavg_dies",
+                                                    "plugins": [str(plugin)], "federation.workers": 2}})["dies"]
+    assert (tmp_path / "died").exists()  # it did die
+    assert [row["workers/restarts"] for row in result["history"]] == [0.0, 1.0, 0.0]
+    assert_same_as(result, finished(small_config(**settings)))  # fedavg_dies computes fedavg
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("resources", ["gpu=1", "cpu=3"])
+def test_a_worker_that_cannot_start_exits_2_naming_worker_resources(ray_cluster, tmp_path, resources):
+    env = {"RAY_ADDRESS": ray_cluster.address, "PFL_CACHE_DIR": str(tmp_path / "cache"),
+           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    code, out = ray_cluster.run([sys.executable, "-m", "pfl", "run", "--no-track", "--set", "data.source=digits",
+                                 "data.num_clients=6", "federation.rounds=1", "federation.workers=2",
+                                 f"federation.worker_resources.{resources}"], env, timeout=300)
+    assert code == 2, out[-3000:]
+    assert "config error: federation.worker_resources" in out and "do not fit the Ray cluster" in out, out[-3000:]
