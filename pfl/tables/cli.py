@@ -27,7 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser, table: bool = True) -> None:
                         help="an override for one row, e.g. ditto:method.lam=0.5")
     parser.add_argument("--rows", nargs="+", metavar="ROW", help="run only these rows (names)")
     parser.add_argument("--methods", nargs="+", metavar="METHOD",
-                        help="run only the rows of these methods; a method the table lacks is a row of its own")
+                        help="run only the rows of these methods (ungrouped ones first); a method the table lacks is a "
+                             "row of its own")
     parser.add_argument("--last", type=int, help="evaluations averaged per run (default: the table's)")
     parser.add_argument("--only", nargs="+", metavar="TEXT", help="run only rows whose GROUP/ROW matches TEXT (a regular expression)")
     parser.add_argument("--seeds", nargs="+", type=int, metavar="SEED",

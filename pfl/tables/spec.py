@@ -254,13 +254,15 @@ def select_rows(rows: list[Row], names: list[str] | None, only: list[str] | None
 
 
 def method_rows(rows: list[Row], methods: list[str]) -> list[Row]:
-    """The rows of ``methods`` (their ``method.name``); a registered method without a row becomes
-    one of its own, with its defaults (``--methods fedslr`` on the baselines table)."""
+    """The rows of ``methods`` (their ``method.name``): a method's ungrouped rows, or its grouped ones
+    when it has none (the baselines table's FedAvg, not also its BatchNorm group's); a registered
+    method without a row becomes one of its own, with its defaults (``--methods fedslr``)."""
     from ..methods import METHODS
 
     out = []
     for m in methods:
         mine = [r for r in rows if r.set.get("method.name") == m]
+        mine = [r for r in mine if not r.group] or mine
         if not mine and "+" not in m and m not in METHODS:   # fedprox+ala: the resolver checks it
             raise METHODS.unknown(m, "--methods")
         out += mine or [Row(m, "", {"method.name": m}, {})]
