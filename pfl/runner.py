@@ -1,14 +1,14 @@
 """One experiment end to end: the round loop with the standard callbacks.
 
-Used by ``pfl run`` and the comparison pipelines (:class:`TableRun`); the Ray Tune trainables
-build the same loop with a Tune reporter instead of the progress printer.
+Used by ``pfl run``; the Ray Tune trainables (sweeps, the cells of a table) build the same loop
+with a Tune reporter instead of the progress printer. :func:`write_table` logs a table's CSV and
+Markdown on an MLflow run (pfl.tables, the benchmarks).
 """
 
 from __future__ import annotations
 
 import csv
 import logging
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -86,43 +86,6 @@ def run_experiment(cfg: ExperimentConfig, *, progress: Callable[[str], None] | N
     final["time/data_load_s"] = sim.data_load_s
     return RunSummary(final=final, history=sim.history, run_id=logger.run_id, status=result.status,
                       reason=result.reason, extra={"simulator": sim})
-
-
-class TableRun:
-    """A pipeline that compares configurations: one MLflow parent run, one child run per row.
-
-    ``run(label, cfg)`` trains one row as a child run; ``finish(rows, name)`` logs the table on the
-    parent as CSV (and Markdown when given) and ends it. With ``track=False`` nothing is logged.
-    """
-
-    def __init__(self, name: str, *, experiment: str | None = None, track: bool = True,
-                 params: dict | None = None, tags: dict | None = None):
-        self.experiment = experiment
-        self.track = track
-        self.parent = (Tracker.start(experiment, name, sweep=experiment is None,
-                                     tags={"pfl.pipeline": name, **(tags or {})})
-                       if track else Tracker.disabled())
-        self.parent.log_params(params or {})
-
-    def run(self, label: str, cfg: ExperimentConfig, **kwargs) -> RunSummary:
-        child = (Tracker.start(self.experiment, label, parent_run_id=self.parent.run_id,
-                               sweep=self.experiment is None) if self.track else Tracker.disabled())
-        kwargs.setdefault("progress", None)
-        return run_experiment(cfg, tracker=child, **kwargs)
-
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.parent.log_metrics(metrics, step=step)
-
-    def finish(self, rows: list[dict], name: str, text: str | None = None,
-               outdir: str | Path | None = None, runs: list[dict] | None = None) -> None:
-        """:func:`write_table` on the parent run, then end it."""
-        with tempfile.TemporaryDirectory() as tmp:
-            write_table(self.parent, rows, name, text, Path(outdir) if outdir else Path(tmp), runs)
-        self.parent.end("FINISHED")
-
-    @property
-    def run_id(self) -> str | None:
-        return self.parent.run_id
 
 
 def write_table(tracker: Tracker, rows: list[dict], name: str, text: str | None, out: Path,
