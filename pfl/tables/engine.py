@@ -217,8 +217,8 @@ def open_parent(spec: TableSpec, cells: list[Cell], name: str):
     parent = Tracker.start(first.tracking.experiment, run_name=name, sweep=True,
                            tags={"pfl.pipeline": name, "pfl.kind": "table", "pfl.table": spec.path,
                                  "mlflow.note.content": note})
-    shared = {k: v for k, v in flatten(first.to_dict()).items()
-              if all(flatten(c.config.to_dict()).get(k) == v for c in cells[1:len(rows)]) and k != "seed"}
+    others = [flatten(c.config.to_dict()) for c in cells[1:len(rows)]]   # the first seed's rows
+    shared = {k: v for k, v in flatten(first.to_dict()).items() if k != "seed" and all(o.get(k) == v for o in others)}
     parent.log_params({**{f"base.{k}": v for k, v in shared.items()}, "table": spec.path, "metric": spec.metric,
                        "rows": " | ".join(rows)[:6000], "seeds": " ".join(map(str, seeds))})
     return parent
