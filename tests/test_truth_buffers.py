@@ -240,10 +240,15 @@ def test_every_method_with_a_global_model_runs_a_batchnorm_cnn(name):
     assert np.isfinite(sim.history[-1]["test/acc_mean"])
 
 
-def test_resnet18_bn_runs_fedavg():
-    sim = run(bn_config("fedavg", model__name="resnet18_bn", model__params={"width": 0.125},
+@pytest.mark.parametrize("name", _global_methods())
+def test_every_method_with_a_global_model_runs_a_batchnorm_resnet18(name):
+    sim = run(bn_config(name, model__name="resnet18_bn", model__params={"width": 0.125},
                         data__num_clients=3, data__max_samples=90, federation__clients_per_round=0,
                         federation__rounds=1))
-    glob = sim.method.global_model
-    assert "layer1.0.bn1.running_var" in glob and glob["bn1.num_batches_tracked"] > 0
-    assert np.isfinite(sim.history[-1]["global/test_acc"])
+    glob = sim.method.global_params()
+    assert glob is not None and "layer1.0.bn1.running_var" in glob
+    for k in stat_names(glob):
+        assert torch.isfinite(glob[k].double()).all(), k
+    if name == "fedavg":
+        assert sim.method.global_model["bn1.num_batches_tracked"] > 0
+    assert np.isfinite(sim.history[-1]["test/acc_mean"])
