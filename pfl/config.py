@@ -392,6 +392,25 @@ def parse_yaml_file(path: str | Path, what: str = "config") -> Any:
         raise ConfigError(what, f"{where}: YAML syntax error: {problem}") from None
 
 
+def load_spec_file(path: str | Path, cls: type, what: str, noun: str | None = None):
+    """A YAML file of a declarative spec (a search space, a table) as dataclass ``cls``: a missing
+    file, a non-mapping or a bad field is a ConfigError on ``what`` / the field, naming the file."""
+    from .schema import from_dict
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(what, f"no such {noun or what} file: {path}")
+    raw = parse_yaml_file(path, what) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(what, f"{path} must hold a mapping")
+    try:
+        spec = from_dict(cls, raw)
+    except ConfigError as err:
+        raise ConfigError(err.field, f"{err.message} (in {path})") from None
+    spec.path = str(path)
+    return spec
+
+
 def read_yaml(path: str | Path) -> dict:
     """A config file's mapping (unvalidated)."""
     loaded = parse_yaml_file(path)

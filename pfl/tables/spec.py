@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import apply_overrides, parse_yaml_file
-from ..schema import ConfigError, did_you_mean, from_dict, hp
+from ..config import apply_overrides, load_spec_file
+from ..schema import ConfigError, did_you_mean, hp
 from ..tune.space import Resources, load_scenario
 
 READS = ("last_mean", "final", "best", "mean", "sum", "per_round")
@@ -146,18 +146,8 @@ class Cell:
 
 
 def load_table(path: str | Path) -> TableSpec:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError("table", f"no such table file: {path}")
-    raw = parse_yaml_file(path, "table") or {}
-    if not isinstance(raw, dict):
-        raise ConfigError("table", f"{path} must hold a mapping")
-    try:
-        spec = from_dict(TableSpec, raw)
-    except ConfigError as err:
-        raise ConfigError(err.field, f"{err.message} (in {path})") from None
-    spec.path = str(path)
-    spec.name = spec.name or path.stem
+    spec = load_spec_file(path, TableSpec, "table")
+    spec.name = spec.name or Path(path).stem
     return spec
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import apply_overrides, parse_yaml_file
+from ..config import apply_overrides, load_spec_file, parse_yaml_file
 from ..metric_catalog import metric_known, reported_metrics
 from ..resolver import resolve
 from ..schema import ConfigError, did_you_mean, from_dict, hp
@@ -168,18 +168,7 @@ def load_scenario(name: str, space_path: Path | None = None) -> dict:
 
 
 def load_space(path: str | Path) -> SearchSpace:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError("space", f"no such search-space file: {path}")
-    raw = parse_yaml_file(path, "space") or {}
-    if not isinstance(raw, dict):
-        raise ConfigError("space", f"{path} must hold a mapping")
-    try:
-        space = from_dict(SearchSpace, raw)
-    except ConfigError as err:
-        raise ConfigError(err.field, f"{str(err).split(': ', 1)[-1]} (in {path})") from None
-    space.path = str(path)
-    return space
+    return load_spec_file(path, SearchSpace, "space", "search-space")
 
 
 def base_config(space: SearchSpace, overrides: list[str] | None = None, smoke: bool = False) -> dict:
