@@ -24,6 +24,7 @@ docs/verification.md; ``score`` leaves them out of the denominator and names any
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import random
@@ -36,6 +37,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 EQUIVALENTS = ROOT / "pipelines" / "mutation_equivalents.txt"
+DIRECT = "direct-results.jsonl"  # the direct runner's results (direct_run)
 BATCH = 150  # mutants per `mutmut run` call: results are saved per mutant, a stopped run loses little
 
 # mutmut 3's exit codes (mutmut/stats.py); a timeout counts as not killed here (conservative)
@@ -46,11 +48,158 @@ DETECTED = ("killed", "caught by type check")
 
 
 def results(root: Path = ROOT) -> dict[str, int | None]:
-    """Every mutant name → its exit code (None: not run yet)."""
+    """Every mutant name → its exit code (None: not run yet): mutmut's, overridden by the direct
+    runner's where that ran the mutant on the file as it is now."""
     out: dict[str, int | None] = {}
     for meta in sorted((root / "mutants").rglob("*.meta")):
         out.update(json.loads(meta.read_text())["exit_code_by_key"])
+    direct = root / "mutants" / DIRECT
+    if direct.exists():
+        hashes: dict[str, str] = {}
+        for line in direct.read_text().splitlines():
+            row = json.loads(line)
+            if row["name"] in out and row["hash"] == hashes.setdefault(row["file"], _file_hash(root, row["file"])):
+                out[row["name"]] = row["code"]
     return out
+
+
+def _file_hash(root: Path, module: str) -> str:
+    path = root / "mutants" / (module.replace(".", "/") + ".py")
+    if not path.exists():
+        path = path.with_suffix("") / "__init__.py"
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.exists() else ""
+
+
+def _direct_results(root: Path = ROOT) -> set[str]:
+    """The mutants the direct runner has a result for on their file as it is now."""
+    path = root / "mutants" / DIRECT
+    if not path.exists():
+        return set()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    hashes = {f: _file_hash(root, f) for f in {r["file"] for r in rows}}
+    return {r["name"] for r in rows if r["hash"] == hashes[r["file"]]}
+
+
+def _clean_failures(tests: list[str], jobs: int, pytest) -> set[str]:
+    """The tests that fail with no mutant active, run in ``jobs`` forked children."""
+    import os
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp())
+    pids = []
+    for j in range(jobs):
+        chunk = tests[j::jobs]
+        if not chunk:
+            continue
+        pid = os.fork()
+        if pid == 0:
+            class Failed:
+                def pytest_runtest_logreport(self, report):
+                    if report.failed:
+                        with open(folder / f"{j}.txt", "a") as f:
+                            f.write(report.nodeid + "\n")
+            fd = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(fd, 1), os.dup2(fd, 2)
+            os.environ["MUTANT_UNDER_TEST"] = ""
+            try:
+                pytest.main(["-q", "-p", "no:cacheprovider", *chunk], plugins=[Failed()])
+            finally:
+                os._exit(0)
+        pids.append(pid)
+    for pid in pids:
+        os.waitpid(pid, 0)
+    return {line for f in folder.glob("*.txt") for line in f.read_text().split()}
+
+
+def direct_run(names: list[str], jobs: int, deadline_s: float, root: Path = ROOT, log=sys.stdout) -> int:
+    """Run mutants without mutmut's driver, which needs only pytest and mutmut's trampoline module
+    (so it runs where mutmut's command line does not, e.g. a many-core machine without libcst): the
+    tests are collected once, then each mutant runs in a child forked from that process (nothing a
+    test caches reaches a mutant), its covering tests fastest first with ``-x``, killed past
+    5 × their recorded time + 20 s (a timeout, not killed). Results are appended to
+    ``mutants/direct-results.jsonl`` with the hash of the mutated file, so a changed file's results
+    are ignored; stops submitting at ``deadline_s``. Returns how many mutants it ran."""
+    import os
+    import signal
+
+    tests_by_fn, duration = covering_tests(root)
+    selection = sorted({t.partition("::")[0] for ts in tests_by_fn.values() for t in ts})
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.chdir(root / "mutants")
+    sys.path.insert(0, str(root / "mutants"))
+    import pytest
+
+    with open(os.devnull, "w") as quiet:  # warm up: import torch, pfl and the test modules once
+        saved = os.dup(1), os.dup(2)
+        os.dup2(quiet.fileno(), 1), os.dup2(quiet.fileno(), 2)
+        try:
+            pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", *selection])
+        finally:
+            os.dup2(saved[0], 1), os.dup2(saved[1], 2)
+    broken = _clean_failures(sorted({t for ts in tests_by_fn.values() for t in ts}), jobs, pytest)
+    if broken:  # a test that fails without a mutant here would "kill" every mutant it covers
+        print(f"left out, failing without a mutant on this machine: {sorted(broken)}", file=log, flush=True)
+        tests_by_fn = {f: ts - broken for f, ts in tests_by_fn.items()}
+    start, done, running = time.perf_counter(), 0, {}
+    queue = [m for m in names if tests_by_fn.get(function_of(m))]
+    skipped = [m for m in names if not tests_by_fn.get(function_of(m))]
+    out = open(root / "mutants" / DIRECT, "a")
+    hashes: dict[str, str] = {}
+
+    def record(name: str, code: int, seconds: float) -> None:
+        f = file_of(name)
+        out.write(json.dumps({"name": name, "code": code, "seconds": round(seconds, 2), "file": f,
+                              "hash": hashes.setdefault(f, _file_hash(root, f))}) + "\n")
+        out.flush()
+
+    for name in skipped:
+        record(name, 33, 0.0)
+    while queue or running:
+        while queue and len(running) < jobs and time.perf_counter() - start < deadline_s:
+            name = queue.pop(0)
+            tests = sorted(tests_by_fn[function_of(name)], key=lambda t: (duration.get(t, 0.0), t))
+            limit = 5 * sum(duration.get(t, 0.0) for t in tests) + 20
+            pid = os.fork()
+            if pid == 0:  # the child: this mutant only, its output discarded
+                code = 3
+                try:
+                    fd = os.open(os.devnull, os.O_WRONLY)
+                    os.dup2(fd, 1), os.dup2(fd, 2)
+                    os.environ["MUTANT_UNDER_TEST"] = name
+                    code = int(pytest.main(["-x", "-q", "-p", "no:cacheprovider", *tests]))
+                finally:
+                    os._exit(code)
+            running[pid] = (name, time.perf_counter(), limit)
+        if queue and time.perf_counter() - start >= deadline_s:
+            queue.clear()
+        if not running:
+            break
+        if time.perf_counter() - start >= deadline_s + 30:  # cut, not recorded: a later run does them
+            for p in running:
+                os.kill(p, signal.SIGKILL)
+                os.waitpid(p, 0)
+            break
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            now = time.perf_counter()
+            for p, (name, began, limit) in list(running.items()):
+                if now - began > limit:
+                    os.kill(p, signal.SIGKILL)
+                    os.waitpid(p, 0)
+                    del running[p]
+                    record(name, 36, now - began)
+                    done += 1
+            time.sleep(0.02)
+            continue
+        name, began, _ = running.pop(pid)
+        code = os.waitstatus_to_exitcode(status)
+        record(name, code, time.perf_counter() - began)
+        done += 1
+        if done % 100 == 0:
+            print(f"  {done} of {len(names) - len(skipped)} run, {time.perf_counter() - start:.0f} s",
+                  file=log, flush=True)
+    out.close()
+    return done
 
 
 def covering_tests(root: Path = ROOT) -> tuple[dict[str, set[str]], dict[str, float]]:
@@ -172,13 +321,18 @@ def estimate(codes: dict[str, int | None], names: list[str], seconds: float, chi
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("action", choices=("generate", "run", "estimate", "sample", "score"))
+    parser.add_argument("action", choices=("generate", "run", "direct", "estimate", "sample", "score"))
     parser.add_argument("--children", type=int, default=1, help="mutmut's --max-children (default 1)")
     parser.add_argument("--n", type=int, default=40, help="estimate/sample: mutants drawn (default 40)")
     parser.add_argument("--seed", type=int, default=1, help="estimate/sample/score --sample: seed (default 1)")
     parser.add_argument("--sample", type=int, default=0, help="score: a seeded sample of this size (0: all)")
     parser.add_argument("--names", type=Path, help="run: the mutants named in this file only")
     parser.add_argument("--rerun", action="store_true", help="run: also mutants that have a result")
+    parser.add_argument("--jobs", type=int, default=1, help="direct: mutants run at once (default 1)")
+    parser.add_argument("--deadline", type=float, default=float("inf"),
+                        help="direct: seconds after which no mutant is started (default: none)")
+    parser.add_argument("--reverse", action="store_true",
+                        help="direct: take the mutants from the end (a second machine on the same set)")
     args = parser.parse_args(argv)
 
     if args.action == "generate":
@@ -206,6 +360,18 @@ def main(argv: list[str] | None = None) -> int:
         print(estimate(codes, names, seconds, args.children))
         print()
         print(score(results(), names, equivalents))
+        return 0
+    if args.action == "direct":
+        ran = _direct_results()
+        names = sorted(m for m in codes if m not in equivalents and (args.rerun or m not in ran))
+        if args.names:
+            names = [n for n in args.names.read_text().split() if n in codes]
+        names = names[::-1] if args.reverse else names
+        print(f"running {len(names)} mutants directly with {args.jobs} jobs", flush=True)
+        start = time.perf_counter()
+        done = direct_run(names, max(1, args.jobs), args.deadline)
+        print(f"ran {done} in {(time.perf_counter() - start) / 60:.1f} min")
+        print(score(results(), sorted(results()), equivalents))
         return 0
     # run
     if args.names:

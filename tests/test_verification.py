@@ -53,26 +53,36 @@ def test_the_checks_can_fail():
     assert len(_rows()) >= 30
 
 
-def test_mutation_sample_is_seeded_and_its_interval_is_wilsons(tmp_path):
-    """pipelines/mutation_sample.py: the same sample for the same seed; the 95 % Wilson interval of
-    50 / 100 is 0.4038–0.5962 (the textbook value); mutmut's exit codes read from .meta files."""
+def test_mutation_sample_is_seeded_its_interval_is_wilsons_and_direct_results_count_for_their_file(tmp_path):
+    """pipelines/mutation_score.py: the same sample for the same seed; the 95 % Wilson interval of
+    50 / 100 is 0.4038–0.5962 (the textbook value); mutmut's exit codes are read from .meta files and
+    the direct runner's override them only for the mutated file as it is now (its hash)."""
+    import hashlib
     import json
     import sys
 
     sys.path.insert(0, str(ROOT / "pipelines"))
-    import mutation_sample as ms
+    import mutation_score as ms
 
     names = [f"pfl.m.x_f__mutmut_{i}" for i in range(50)]
     assert ms.sample(names, 10, 32) == ms.sample(reversed(names), 10, 32) != ms.sample(names, 10, 33)
     lo, hi = ms.wilson(50, 100)
     assert round(lo, 4) == 0.4038 and round(hi, 4) == 0.5962
-    meta = tmp_path / "mutants" / "pfl" / "m.py.meta"
-    meta.parent.mkdir(parents=True)
-    meta.write_text(json.dumps({"exit_code_by_key": {"pfl.m.x_f__mutmut_1": 1, "pfl.m.x_f__mutmut_2": 0,
-                                                     "pfl.m.x_f__mutmut_3": 33, "pfl.m.x_f__mutmut_4": None}}))
+    source = tmp_path / "mutants" / "pfl" / "m.py"
+    source.parent.mkdir(parents=True)
+    source.write_text("x = 1\n")
+    (source.parent / "m.py.meta").write_text(json.dumps({"exit_code_by_key": {
+        "pfl.m.x_f__mutmut_1": 1, "pfl.m.x_f__mutmut_2": 0, "pfl.m.x_f__mutmut_3": 33, "pfl.m.x_f__mutmut_4": None}}))
+    now = hashlib.sha256(b"x = 1\n").hexdigest()[:16]
+    rows = [{"name": "pfl.m.x_f__mutmut_4", "code": 1, "file": "pfl.m", "hash": now},
+            {"name": "pfl.m.x_f__mutmut_2", "code": 1, "file": "pfl.m", "hash": "stale"}]
+    (tmp_path / "mutants" / ms.DIRECT).write_text("".join(json.dumps(r) + "\n" for r in rows))
     codes = ms.results(tmp_path)
-    text = ms.score(codes, sorted(codes))
-    assert "killed / judged = 1 / 3" in text and "not run 1" in text
+    assert codes == {"pfl.m.x_f__mutmut_1": 1, "pfl.m.x_f__mutmut_2": 0, "pfl.m.x_f__mutmut_3": 33,
+                     "pfl.m.x_f__mutmut_4": 1}
+    assert ms._direct_results(tmp_path) == {"pfl.m.x_f__mutmut_4"}
+    text = ms.score(codes, sorted(codes), {})
+    assert "= 2 / 4 = 50.0 %" in text
     assert "survived  pfl.m.x_f__mutmut_2" in text and "no tests  pfl.m.x_f__mutmut_3" in text
 
 

@@ -284,7 +284,7 @@ class Method:
         residuals); cheap, since every round pays for them."""
         return {}
 
-    def artifacts(self, outdir: str) -> list[str]:
+    def artifacts(self, outdir: str) -> list[str]:  # pragma: no mutate block (a file for a reader)
         """Write method-specific artifacts (tables, plots) at the end of a run; return paths."""
         return []
 

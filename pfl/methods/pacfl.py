@@ -237,7 +237,7 @@ class PACFL(Method):
         metrics["pacfl/clients_with_basis"] = float(len(self.bases))
         return metrics
 
-    def artifacts(self, outdir: str) -> list[str]:
+    def artifacts(self, outdir: str) -> list[str]:  # pragma: no mutate block (a file for a reader)
         found = self.cluster_assignment()
         return [write_assignment_table(outdir, "pacfl_assignments.csv", list(found.values()), self.ctx.meta,
                                        list(found))]
