@@ -182,8 +182,31 @@ def test_a_round_ships_downlinks_and_states_never_the_data(local_workers):
     sizes = sim.data.client_nbytes()
     for rnd, row in enumerate(sim.history[:-1]):  # training only: the sampled clients' downlinks and states
         data = float(sum(sizes[c] for c in sim.sample(rnd)))
-        assert row["comm/round_down_bytes"] < row["workers/sent_bytes"] < data / 4
+        assert row["workers/sent_bytes"] < data / 4
         assert row["comm/round_up_bytes"] < row["workers/received_bytes"] < data / 4
+
+
+def test_a_calls_equal_downlinks_cross_once_and_each_client_gets_its_own_copy():
+    """share_equal → torch.save → own_copies: two clients sent the same model cost one model's bytes
+    (plus the message's bookkeeping), not two; a -0.0 where the other has 0.0 (equal values, other
+    bits) crosses apart; on arrival no two clients share a storage and the values are the senders'."""
+    from pfl.federation.messages import Message, Model
+    from pfl.federation.worker_side import dumps, loads, own_copies, share_equal
+
+    w = torch.randn(256, 64)
+    down = lambda t: Message({"model": Model({"w": t.clone(), "b": torch.zeros(64)})})  # noqa: E731
+    one = len(dumps([down(w)]))
+    two_equal = len(dumps(share_equal([down(w), down(w), None])))
+    signed, w0 = w.clone(), w.clone()
+    w0[0, 0], signed[0, 0] = 0.0, -0.0
+    two_apart = len(dumps(share_equal([down(w0), down(signed)])))
+    assert two_equal < one + 4096 < 2 * one - 4096 < two_apart
+    got = own_copies(loads(dumps(share_equal([down(w), down(w), down(w)]))))
+    ptrs = {m["model"].entries[k].untyped_storage().data_ptr() for m in got for k in ("w", "b")}
+    assert len(ptrs) == 6
+    assert all(torch.equal(m.tensors("model")["w"], w) for m in got)
+    got[0]["model"].entries["w"].add_(1.0)   # a client training in place on its downlink
+    assert torch.equal(got[1].tensors("model")["w"], w)
 
 
 def test_a_side_without_a_name_runs_in_the_run_process(local_workers):

@@ -14,7 +14,8 @@ can take any client and a run may resume with another number of workers.
 
 Both directions are one ``torch.save`` byte string (:func:`dumps`): tensors keep their dtypes,
 values and aliasing (a state that names one tensor twice gets it back once), and its length is what
-crosses between the processes (``workers/sent_bytes``, ``workers/received_bytes``).
+crosses between the processes (``workers/sent_bytes``, ``workers/received_bytes``). A downlink
+tensor equal to another client's of the same call crosses once (:func:`share_equal`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from ..schema import from_dict, to_dict
 from .cohort import cohort_runner
 from .comm import CommLedger
 from .context import FederationMeta, RunContext, resolve_device
+from .messages import Message
 from .newcomers import newcomer_clients
 from .population import Population
 from .sides import ClientSides
@@ -51,6 +53,59 @@ def dumps(obj: Any) -> bytes:
 def loads(data: bytes, device: torch.device | str = "cpu") -> Any:
     # the pool's own messages between its processes (never a file a user hands over)
     return torch.load(io.BytesIO(data), map_location=device, weights_only=False)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def share_equal(downs: list[Message | None]) -> list[Message | None]:
+    """The downlinks of one call with every plain tensor that equals, bit for bit, the same entry of
+    an earlier client's downlink replaced by that tensor: ``torch.save`` writes a storage once, so
+    the global model a round sends to every client crosses once a call instead of once a client
+    (the worker gives each client its own copy again: :func:`own_copies`)."""
+    seen: dict[tuple, torch.Tensor] = {}
+    out: list[Message | None] = []
+    for msg in downs:
+        if msg is None:
+            out.append(None)
+            continue
+        parts = {}
+        for name, part in msg.parts.items():
+            entries = {}
+            for k, e in part.entries.items():
+                if isinstance(e, torch.Tensor):
+                    first = seen.setdefault((name, k, e.dtype, tuple(e.shape), e.device), e)
+                    if first is not e and torch.equal(_bits(first), _bits(e)):
+                        e = first
+                entries[k] = e
+            parts[name] = part.replace(entries)
+        out.append(Message(parts, msg.info))
+    return out
+
+
+def own_copies(downs: list[Message | None]) -> list[Message | None]:
+    """Undo :func:`share_equal` on the worker: a tensor an earlier client of the call already holds
+    is copied, so a client that edits its downlink in place edits its own."""
+    held: set[int] = set()
+    out: list[Message | None] = []
+    for msg in downs:
+        if msg is None:
+            out.append(None)
+            continue
+        parts = {}
+        for name, part in msg.parts.items():
+            entries = {}
+            for k, e in part.entries.items():
+                if isinstance(e, torch.Tensor):
+                    ptr = e.untyped_storage().data_ptr()
+                    if ptr in held and e.numel():
+                        e = e.clone()
+                    held.add(ptr)
+                entries[k] = e
+            parts[name] = part.replace(entries)
+        out.append(Message(parts, msg.info))
+    return out
 
 
 def data_signature(data) -> tuple:
@@ -101,6 +156,8 @@ class WorkerRun(ClientSides):
             self.cfg.method.hparams = hparams
         phase, side = call["phase"], self.side(call["spec"])
         jobs = call["jobs"]
+        jobs = list(zip([cid for cid, _, _ in jobs], own_copies([down for _, down, _ in jobs]),
+                        [state for _, _, state in jobs]))
         self.data.prefetch([cid for cid, _, _ in jobs])
         handles: dict[int, ClientHandle] = {}
 
@@ -131,4 +188,4 @@ class WorkerActor:
         return self.worker.run(payload)
 
 
-__all__ = ["WORKER_ENV", "WorkerActor", "WorkerRun", "data_signature", "dumps", "loads"]
+__all__ = ["WORKER_ENV", "WorkerActor", "WorkerRun", "data_signature", "dumps", "loads", "own_copies", "share_equal"]

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from ..schema import ConfigError, to_dict
 from .sides import spec_of
 from .wire import ClientSide, Phase
-from .worker_side import WorkerActor, WorkerRun, data_signature, dumps, loads
+from .worker_side import WorkerActor, WorkerRun, data_signature, dumps, loads, share_equal
 
 if TYPE_CHECKING:
     from .messages import Message
@@ -209,7 +209,8 @@ class WorkerPool:
             return None
         self.start()
         common = {"phase": phase, "spec": spec, "round": self.sim.round, "hparams": to_dict(self.sim.method.hp)}
-        calls = {slot: dumps({**common, "jobs": [(cid, downs[cid], states[cid]) for cid in group]})
+        calls = {slot: dumps({**common, "jobs": list(zip(group, share_equal([downs[c] for c in group]),
+                                                          [states[c] for c in group]))})
                  for slot, group in self.assign(list(downs))}
         pending = {slot: self._submit(slot, payload) for slot, payload in calls.items()}
         got: dict[int, tuple] = {}

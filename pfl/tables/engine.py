@@ -15,6 +15,7 @@ How a table ends: ``FINISHED`` (every cell ran; failed cells are counted apart a
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 from dataclasses import dataclass, field
@@ -185,7 +186,14 @@ def run_table(spec: TableSpec, cells: list[Cell], *, address: str | None = None,
                            tune_config=tune.TuneConfig(num_samples=1, reuse_actors=True, trial_name_creator=label,
                                                        max_concurrent_trials=spec.max_concurrent or None),
                            run_config=run_config)
-    grid, received, wall = fit_tuner(tuner, previous_wall)
+    # the result grid Tune builds at the end looks for the logger files switched off above
+    quiet = logging.getLogger("ray.tune.analysis.experiment_analysis")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        grid, received, wall = fit_tuner(tuner, previous_wall)
+    finally:
+        quiet.setLevel(level)
     state_path.write_text(json.dumps({**state, "wall_s": wall}))
     trials = saved_trials(exp_path) if grid is not None else []
     records, failures, histories = records_of(spec, cells, trials)
