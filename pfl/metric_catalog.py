@@ -28,7 +28,7 @@ ASYNC_METRICS = ("time/sim_clock", "async/arrivals")
 ATTACK_METRICS = ("attack/benign_clients", "attack/diverged")
 NEWCOMER_METRICS = ("newcomer/*", "comm/join_up_bytes", "comm/join_down_bytes")
 #: with federation.workers > 1 (pfl/federation/workers.py): bytes to and from the workers, workers restarted
-WORKER_METRICS = ("workers/sent_bytes", "workers/received_bytes", "workers/restarts")
+WORKER_METRICS = ("workers/sent_bytes", "workers/received_bytes", "workers/restarts", "workers/nodes")
 
 
 def reported_metrics(cfg) -> tuple[str, ...]:

@@ -413,3 +413,26 @@ def test_a_table_runs_its_cells_on_both_nodes(team, two_nodes, tmp_path):
     assert len(runs) == 4 and runs["node"].nunique() == 2, runs[["row", "seed", "node"]]
     parents = [r for r in listing(team, env) if r["parent"] is None and r["name"] == "two_nodes"]
     assert len(parents) == 1 and parents[0]["status"] == "FINISHED"
+
+
+def test_a_cells_workers_sit_in_its_placement_group_across_both_nodes(team, two_nodes, tmp_path):
+    """A cell with 2 workers of 0.5 CPU and its own 0.5: 1.5 CPUs, more than a node's one, so the
+    trial's placement group spans the two nodes and so do its workers (workers/nodes = 2)."""
+    import pandas as pd
+    import yaml
+
+    address, ray_auth = two_nodes
+    table = tmp_path / "spread.yaml"
+    table.write_text(yaml.safe_dump({
+        "set": {"data.source": "digits", "data.num_clients": 6, "federation.rounds": 2, "federation.clients_per_round": 4,
+                "federation.eval_every": 2, "federation.local_epochs": 1, "federation.workers": 2,
+                "federation.worker_resources.cpu": 0.5},
+        "rows": [{"name": "fedavg", "set": {"method.name": "fedavg"}}], "seeds": [0], "reference": "fedavg",
+        "columns": [{"name": "worker_nodes", "metric": "workers/nodes", "read": "best"}]}))
+    env = {**team.env(PFL_CACHE_DIR=str(tmp_path / "cache"), RAY_ADDRESS=address), **ray_auth}
+    done = team.run([sys.executable, "-m", "pfl", "table", str(table), "--resources", "cpu=0.5", "--storage",
+                     str(tmp_path / "ray_results"), "--out", str(tmp_path / "out"), "--no-track"], env, tmp_path,
+                    timeout=600)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    runs = pd.read_csv(tmp_path / "out" / "spread_runs.csv")
+    assert runs["worker_nodes"].tolist() == [2.0], runs

@@ -363,3 +363,62 @@ def test_a_worker_that_cannot_start_exits_2_naming_worker_resources(ray_cluster,
                                  f"federation.worker_resources.{resources}"], env, timeout=300)
     assert code == 2, out[-3000:]
     assert "config error: federation.worker_resources" in out and "do not fit the Ray cluster" in out, out[-3000:]
+
+
+# ---- inside Tune trials: the workers in the trial's placement group -------------------------------
+
+def test_table_cells_with_workers_ask_for_them_and_run_one_after_another_on_two_cpus(ray_cluster, tmp_path):
+    """Two cells of FedAvg with 2 workers of 0.5 CPU, the trial 0.5: 1.5 CPUs a cell on the 2-CPU
+    test cluster, so Ray runs them one after another. Without the workers in the trial's resources
+    (a placement group of the trial's bundle alone) Tune refuses to launch them: every cell failed."""
+    import pandas as pd
+    import yaml
+
+    from pfl.runner import run_experiment
+
+    from pfl.resolver import load
+
+    settings = {"data.source": "digits", "data.num_clients": 6, "data.partition.kind": "dirichlet",
+                "data.partition.alpha": 0.5, "federation.rounds": 3, "federation.clients_per_round": 4,
+                "federation.eval_every": 3, "federation.local_epochs": 1, "federation.batch_size": 32,
+                "federation.lr": 0.1}
+    table = tmp_path / "pooled.yaml"
+    table.write_text(yaml.safe_dump({
+        "set": {**settings, "federation.workers": 2, "federation.worker_resources.cpu": 0.5},
+        "rows": [{"name": "fedavg", "set": {"method.name": "fedavg"}}], "seeds": [0, 1], "reference": "fedavg"}))
+    env = {"RAY_ADDRESS": ray_cluster.address, "PFL_CACHE_DIR": str(tmp_path / "cache"),
+           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    code, out = ray_cluster.run([sys.executable, "-m", "pfl", "table", str(table), "--resources", "cpu=0.5",
+                                 "--storage", str(tmp_path / "ray_results"), "--out", str(tmp_path / "out")],
+                                env, timeout=300)
+    assert code == 0, out[-4000:]
+    assert "finished: 2 of 2 cells finished" in out
+    runs = pd.read_csv(tmp_path / "out" / "pooled_runs.csv")
+    for seed in (0, 1):   # the pooled cells computed what one process computes
+        alone = run_experiment(load(None, {**settings, "method.name": "fedavg", "seed": seed,
+                                            "tracking.enabled": False}), progress=None)
+        assert runs[runs["seed"] == seed]["final"].iloc[0] == pytest.approx(alone.final["test/acc_mean"], abs=1e-12)
+
+
+def test_a_sweeps_trials_with_workers_get_them(ray_cluster, tmp_path):
+    """The smoke sweep of FedAvg with 2 workers of 0.5 CPU a trial: every trial finishes (without
+    the workers in the trial's placement group Tune refuses to launch them)."""
+    env = {"RAY_ADDRESS": ray_cluster.address, "PFL_CACHE_DIR": str(tmp_path / "cache"),
+           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    code, out = ray_cluster.run([sys.executable, str(ROOT / "pipelines" / "sweep.py"), "--space",
+                                 str(ROOT / "search_spaces" / "fedavg.yaml"), "--smoke", "--storage",
+                                 str(tmp_path / "ray_results"), "--resources", "cpu=0.5", "--set",
+                                 "data.source=digits", "data.num_clients=6", "federation.rounds=2",
+                                 "federation.clients_per_round=4", "federation.workers=2",
+                                 "federation.worker_resources.cpu=0.5"], env, timeout=400)
+    assert code == 0, out[-4000:]
+    assert "== best ==" in out and "failed" not in out.lower().split("== best ==")[0], out[-3000:]
+
+
+def test_trial_bundles_are_the_trial_then_one_per_worker():
+    from pfl.config import FederationConfig, WorkerResources
+    from pfl.federation.workers import trial_bundles
+
+    fed = FederationConfig(workers=3, worker_resources=WorkerResources(cpu=0.5, gpu=0.25))
+    assert trial_bundles(fed, 1, 0) == [{"CPU": 1.0}] + [{"CPU": 0.5, "GPU": 0.25}] * 3
+    assert trial_bundles(FederationConfig(workers=1), 2, 1) == [{"CPU": 2.0, "GPU": 1.0}]

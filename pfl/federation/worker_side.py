@@ -55,6 +55,16 @@ def loads(data: bytes, device: torch.device | str = "cpu") -> Any:
     return torch.load(io.BytesIO(data), map_location=device, weights_only=False)
 
 
+def _node() -> str:
+    """The Ray node this process runs on ("local" outside Ray)."""
+    import sys
+
+    ray = sys.modules.get("ray")  # a worker of the local backend never imports Ray
+    if ray is None or not ray.is_initialized():
+        return "local"
+    return ray.get_runtime_context().get_node_id()
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
@@ -145,7 +155,7 @@ class WorkerRun(ClientSides):
         self.round = 0
 
     def ready(self) -> dict:
-        return {"device": self.device.type, "data": data_signature(self.data), "pid": os.getpid()}
+        return {"device": self.device.type, "data": data_signature(self.data), "pid": os.getpid(), "node": _node()}
 
     def run(self, payload: bytes) -> bytes:
         call = loads(payload, self.device)

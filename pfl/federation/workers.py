@@ -84,13 +84,36 @@ class _LocalWorker:
         pass
 
 
+def trial_bundles(fed, cpu: float, gpu: float) -> list[dict[str, float]]:
+    """A Tune trial's placement group: its own bundle, then one per worker of ``federation.workers``
+    (each ``federation.worker_resources``), so Ray starts a trial only when its workers fit too."""
+    def bundle(c: float, g: float) -> dict[str, float]:
+        return {k: v for k, v in (("CPU", float(c)), ("GPU", float(g))) if v > 0}
+
+    workers = [bundle(fed.worker_resources.cpu, fed.worker_resources.gpu)] * (fed.workers if fed.workers > 1 else 0)
+    return [bundle(cpu, gpu)] + workers
+
+
+def _in_trial_bundle(slot: int) -> dict[str, Any]:
+    """Inside a Tune trial whose placement group has a bundle for worker ``slot`` (trial_bundles):
+    the scheduling strategy that puts the worker there (its node, maybe another one)."""
+    from ray.util import get_current_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    pg = get_current_placement_group()
+    if pg is None or pg.bundle_count <= slot + 1:
+        return {}
+    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=slot + 1)}
+
+
 class _RayWorker:
     def __init__(self, init: Any, slot: int, resources, env: dict[str, str]):
         import ray
 
         actor_class = ray.remote(WorkerActor)
         self.actor = actor_class.options(num_cpus=resources.cpu, num_gpus=resources.gpu, max_restarts=0,
-                                         max_task_retries=0, runtime_env={"env_vars": env}).remote(init, slot)
+                                         max_task_retries=0, runtime_env={"env_vars": env},
+                                         **_in_trial_bundle(slot)).remote(init, slot)
 
     def ready(self) -> dict:
         import ray
@@ -173,6 +196,7 @@ class WorkerPool:
         self.env = {k: os.environ[k] for k in CARRIED_ENV if k in os.environ}
         self.sequential: set[int] = set()
         self.pids: dict[int, int] = {}   # each worker's process (a restart changes it)
+        self.nodes: dict[int, str] = {}  # each worker's Ray node (workers/nodes: how many they span)
         self.turn = 0
         self.sent = self.received = self.restarts = 0
         self._finalizer = weakref.finalize(self, _kill_all, self.workers)
@@ -196,7 +220,7 @@ class WorkerPool:
 
     def round_metrics(self) -> dict[str, float]:
         out = {"workers/sent_bytes": float(self.sent), "workers/received_bytes": float(self.received),
-               "workers/restarts": float(self.restarts)}
+               "workers/restarts": float(self.restarts), "workers/nodes": float(len(set(self.nodes.values())))}
         self.sent = self.received = self.restarts = 0
         return out
 
@@ -266,6 +290,7 @@ class WorkerPool:
 
     def _check(self, slot: int, ready: dict) -> None:
         self.pids[slot] = ready["pid"]
+        self.nodes[slot] = ready["node"]
         if ready["device"] != self.sim.device.type:
             raise ConfigError(RESOURCES, f"the run computes on {self.sim.device.type} but a worker on "
                                          f"{ready['device']} (a worker sees a GPU only when it asks for one: gpu > 0; "

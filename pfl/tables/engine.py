@@ -116,6 +116,7 @@ def run_table(spec: TableSpec, cells: list[Cell], *, address: str | None = None,
     """Run (or resume) the table's cells on Ray; see the module docstring."""
     from ray import tune
 
+    from ..federation.workers import trial_bundles
     from ..tracking import Tracker, export_environment
     from ..tune.progress import ProgressLines
     from ..tune.ray_session import init_ray
@@ -152,8 +153,13 @@ def run_table(spec: TableSpec, cells: list[Cell], *, address: str | None = None,
         for note in shipped.notes:
             progress(f"note: {note}")
 
-    def bind(setup: dict[str, Any]):
-        return tune.with_resources(tune.with_parameters(table_trainable, setup=setup), res)
+    feds = [c.config.federation for c in cells]
+
+    def bind(setup: dict[str, Any]):  # a cell with federation.workers asks for its workers too
+        return tune.with_resources(
+            tune.with_parameters(table_trainable, setup=setup),
+            lambda config: tune.PlacementGroupFactory(trial_bundles(feds[int(config.get("cell", 0))], res["cpu"],
+                                                                    res["gpu"])))
 
     # Tune's own CSV/JSON/TensorBoard files per cell: the cells' MLflow runs hold their metrics, and
     # the records come from the experiment's state

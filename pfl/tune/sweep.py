@@ -26,12 +26,14 @@ import logging
 import os
 import signal
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
 import pandas as pd
 
 from ..data import load_federated
+from ..federation.workers import trial_bundles
 from ..models import check_model_on
 from ..resolver import resolve
 from ..schema import ConfigError, flatten
@@ -152,7 +154,9 @@ def run_sweep(space: SearchSpace, *, overrides: list[str] | None = None, smoke: 
 
     def bind(setup: dict[str, Any]):
         fn = tune.with_parameters(trainable or federated_trainable, setup=setup)
-        return tune.with_resources(fn, {"cpu": res["cpu"], "gpu": res["gpu"]})
+        fed = base_cfg.federation
+        return tune.with_resources(fn, lambda config: tune.PlacementGroupFactory(trial_bundles(
+            replace(fed, workers=int(config.get("federation.workers", fed.workers))), res["cpu"], res["gpu"])))
 
     resuming = resume and tune.Tuner.can_restore(str(exp_path))
     previous_wall = float(json.loads(state_path.read_text()).get("wall_s", 0.0)) if resuming else 0.0
