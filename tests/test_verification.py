@@ -110,3 +110,16 @@ def test_mutation_score_leaves_the_equivalents_out_and_each_is_argued_in_the_doc
     doc = (ROOT / "docs" / "verification.md").read_text()
     missing = [n for n in ms.read_equivalents() if f"`{n}`" not in doc]
     assert not missing, f"equivalent mutants without a row in docs/verification.md: {missing}"
+
+
+def test_every_truth_test_file_is_in_the_mutation_selection():
+    """pyproject's [tool.mutmut] selection names every tests/test_truth_*.py (whole or test by test):
+    a truth file left out leaves its method's mutants without a test that could kill them."""
+    import tomllib
+
+    selection = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mutmut"][
+        "pytest_add_cli_args_test_selection"]
+    named = {s.split("::")[0] for s in selection}
+    missing = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "tests").glob("test_truth_*.py")
+                     if p.relative_to(ROOT).as_posix() not in named)
+    assert missing == []
