@@ -20,14 +20,12 @@ resident memory reported. Prints a table (s/round, ratios) and logs it with a pl
 
 from __future__ import annotations
 
-import argparse
-import resource
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+from pfl import bench
 
 WORKLOADS = {
     "s1": {"scenario": "fpfc_s1", "set": {"method.name": "fpfc"}},
@@ -123,7 +121,7 @@ def scale_check(device: str, threads: int) -> list[dict]:
         from pfl.federation.loop import RoundLoop
 
         RoundLoop(sim, []).run(until=2)
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
+        rss = bench.peak_rss_mib() / 1024
         rows.append({"method": method, "clients": sim.num_clients, "rounds": 2,
                      "s_per_round": (time.perf_counter() - start) / 2, "peak_rss_gib": rss})
         del sim
@@ -131,13 +129,12 @@ def scale_check(device: str, threads: int) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench.parser(__doc__)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--scale", action="store_true", help="also the 1,000-client memory check")
-    parser.add_argument("--no-track", action="store_true")
     args = parser.parse_args(argv)
 
     rows = []
@@ -170,42 +167,30 @@ def main(argv: list[str] | None = None) -> int:
     for r in scale:
         print(f"scale: {r['method']} with {r['clients']} clients (FMNIST CNN, 100 per round, chunks of 50): "
               f"{r['s_per_round']:.1f} s/round, peak resident memory {r['peak_rss_gib']:.2f} GiB")
-    if not args.no_track:
-        import pandas as pd
 
+    def plots(out: Path) -> list[Path]:
         from pfl.plots import plt
-        from pfl.tracking import Tracker, run_hint
 
-        tracker = Tracker.start(None, "bench_cohort", tags={"pfl.pipeline": "bench_cohort"})
-        tracker.log_params({"device": args.device, "threads": args.threads, "rounds": args.rounds})
-        for r in rows:
-            tracker.log_metrics({f"{r['workload']}/{k}": v for k, v in r.items()
-                                 if isinstance(v, float)})
-        for r in scale:
-            tracker.log_metrics({f"scale/{r['method']}/peak_rss_gib": r["peak_rss_gib"]})
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp)
-            pd.DataFrame(rows).to_csv(out / "bench_cohort.csv", index=False)
-            tracker.log_artifact(out / "bench_cohort.csv")
-            fig, ax = plt.subplots(figsize=(6.4, 3.8), dpi=100)
-            names = [r["workload"] for r in rows]
-            xs = range(len(rows))
-            for offset, key, label in ((-0.27, "sequential_s", "sequential"), (0.0, "vectorized_s", "vectorized"),
-                                       (0.27, "limit_s", "limit (batched SGD only)")):
-                ax.bar([x + offset for x in xs], [r[key] for r in rows], width=0.26, label=label)
-            ax.set_xticks(list(xs), names)
-            ax.set_ylabel("seconds per round")
-            ax.set_yscale("log")
-            ax.legend()
-            ax.set_title(f"cohorts on {args.device}, {args.threads} thread(s)")
-            fig.tight_layout()
-            fig.savefig(out / "bench_cohort.png")
-            plt.close(fig)
-            tracker.log_artifact(out / "bench_cohort.png", "plots")
-        tracker.end("FINISHED")
-        print(run_hint(tracker.run_id, what="MLflow run"))
+        fig, ax = plt.subplots(figsize=(6.4, 3.8), dpi=100)
+        xs = range(len(rows))
+        for offset, key, label in ((-0.27, "sequential_s", "sequential"), (0.0, "vectorized_s", "vectorized"),
+                                   (0.27, "limit_s", "limit (batched SGD only)")):
+            ax.bar([x + offset for x in xs], [r[key] for r in rows], width=0.26, label=label)
+        ax.set_xticks(list(xs), [r["workload"] for r in rows])
+        ax.set_ylabel("seconds per round")
+        ax.set_yscale("log")
+        ax.legend()
+        ax.set_title(f"cohorts on {args.device}, {args.threads} thread(s)")
+        fig.tight_layout()
+        fig.savefig(out / "bench_cohort.png")
+        plt.close(fig)
+        return [out / "bench_cohort.png"]
+
+    metrics = {f"{r['workload']}/{k}": v for r in rows for k, v in r.items() if isinstance(v, float)}
+    metrics.update({f"scale/{r['method']}/peak_rss_gib": r["peak_rss_gib"] for r in scale})
+    bench.track(args, "bench_cohort", rows, metrics=metrics, plots=plots, plot_folder="plots")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(bench.main(main))

@@ -43,24 +43,25 @@ unless ``--no-track``. The generated files are deleted at the end unless ``--kee
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
-ROOT = Path(__file__).resolve().parents[1]
+from pfl import bench
+
+ROOT = bench.ROOT
 
 CLASSES = 62
 PIXELS = 784
 WRITERS_PER_FILE = 100
 MIB = 2**20
 
+# a code string, not this script: with --compare-root it must import another pfl (one without pfl.bench)
 CHILD = r"""
 import json, os, resource, sys, time
 root, kind, path, cache, clients = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
@@ -97,11 +98,8 @@ print(json.dumps({"seconds": seconds, "peak_mib": peak, "base_mib": base, "rows"
 
 def measure(kind: str, path: Path, cache: Path, clients: int = 0, root: Path = ROOT) -> dict:
     """One load in a fresh process (``kind``: pfl or pyarrow), with ``cache`` as pfl's cache folder."""
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(root), kind, str(path), str(cache), str(clients)],
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{kind} load of {path} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return bench.run_json([sys.executable, "-c", CHILD, str(root), kind, str(path), str(cache), str(clients)],
+                          f"{kind} load of {path}")
 
 
 def size_of(path: Path) -> int:
@@ -122,6 +120,12 @@ def pixels(seed: int = 0):
     except Exception:  # noqa: BLE001 - no files: random pixels make the same amount of text
         rng = np.random.default_rng(seed)
         return rng.integers(0, 256, (20000, PIXELS), dtype=np.uint8), rng.integers(0, 10, 20000), "random pixels"
+
+
+def write_child(spec: dict) -> list:
+    """:func:`write_formats` in the child: [paths, samples, pixel source] as JSON values."""
+    paths, samples, what = write_formats(Path(spec["folder"]), spec["writers"])
+    return [{k: str(v) for k, v in paths.items()}, samples, what]
 
 
 def write_formats(folder: Path, writers: int, seed: int = 0) -> tuple[dict[str, Path], int, str]:
@@ -177,13 +181,8 @@ def formats(args) -> int:
     folder.mkdir(parents=True)
     started = time.perf_counter()
     # in a child, so that this process stays small: Linux starts a child's ru_maxrss at its parent's peak
-    code = (f"import json, sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'pipelines')!r}]; import bench_data; "
-            f"p, n, w = bench_data.write_formats(bench_data.Path({str(folder)!r}), {args.writers}); "
-            "print(json.dumps([{k: str(v) for k, v in p.items()}, n, w]))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"writing the data failed:\n{proc.stderr[-3000:]}")
-    written, samples, what = json.loads(proc.stdout.strip().splitlines()[-1])
+    written, samples, what = bench.run_child(__file__, {"folder": str(folder), "writers": args.writers},
+                                             "writing the data")
     paths = {k: Path(v) for k, v in written.items()}
     sizes = {k: size_of(p) for k, p in paths.items()}
     print(f"wrote {args.writers:,} writers, {samples:,} samples ({what}) in {time.perf_counter() - started:.0f} s: "
@@ -224,9 +223,8 @@ def formats(args) -> int:
                      "x_features": (med["peak_mib"] - med["base_mib"]) / (samples * PIXELS * 4 / MIB),
                      "reported_s": statistics.median(reported) if reported else float("nan"),
                      "how": outs[0]["how"], "runs_s": " ".join(f"{o['seconds']:.2f}" for o in outs)})
-    load_avg = os.getloadavg()[0]
     title = (f"loading {args.writers:,} writers, {samples:,} samples of 28x28 ({what}); median of {args.repeats}; "
-             f"{os.cpu_count()} CPUs, load average {load_avg:.1f}")
+             f"{bench.machine()}")
     header = ["data", "load", "source MiB", "cache file MiB", "s", "peak RSS MiB", "load peak MiB",
               "x source", "x features", "pfl's time/data_load_s", "how"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -312,10 +310,9 @@ def large_parquet(args) -> int:
         rows.append({"load": kind, "seconds": seconds, "x_pyarrow": seconds / reference, "peak_mib": peak,
                      "load_peak_mib": peak - base, "x_features": (peak - base) / feature_mib,
                      "runs_s": " ".join(f"{r['seconds']:.2f}" for r in runs)})
-    load = os.getloadavg()[0]
     title = (f"loading {args.rows:,} rows, {args.features} float32 features, {args.clients:,} clients "
              f"({size / 2**30:.2f} GiB Parquet; float32 features {feature_mib:.0f} MiB; median of {args.repeats}; "
-             f"{os.cpu_count()} CPUs, load average {load:.1f})")
+             f"{bench.machine()})")
     lines = [f"{'load':<13} {'s':>6} {'x pyarrow':>10} {'peak MiB':>9} {'load peak MiB':>14} {'x features':>11}"
              "  runs (s)"]
     for r in rows:
@@ -330,33 +327,19 @@ def large_parquet(args) -> int:
 
 def track(args, mode: str, params: dict, rows: list[dict], title: str, lines: list[str]) -> None:
     """The table as an MLflow run ``bench_data`` (params, one metric per row and column, CSV and text)."""
-    if args.no_track:
-        return
-    import pandas as pd
-
-    from pfl.tracking import Tracker, run_hint
-
-    tracker = Tracker.start(None, "bench_data", tags={"pfl.pipeline": "bench_data"})
-    tracker.log_params({"mode": mode, "repeats": args.repeats, "cpus": os.cpu_count(),
-                        "load_average": round(os.getloadavg()[0], 1), **params})
+    metrics = {}
     for r in rows:
         key = "_".join(str(r.get(k, "")) for k in ("data", "load") if r.get(k)) or r["load"]
         key = "".join(c if c.isalnum() or c in "_-" else "_" for c in key)
-        tracker.log_metrics({f"{key}/{m}": float(r[m]) for m in ("seconds", "peak_mib", "load_peak_mib")
-                             if m in r})
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "bench_data.csv"
-        pd.DataFrame(rows).to_csv(out, index=False)
-        tracker.log_artifact(out)
-        text = Path(tmp) / "bench_data.md"
-        text.write_text(f"{title}\n\n" + "\n".join(lines) + "\n")
-        tracker.log_artifact(text)
-    tracker.end("FINISHED")
-    print(run_hint(tracker.run_id, what="MLflow run"))
+        metrics.update({f"{key}/{m}": float(r[m]) for m in ("seconds", "peak_mib", "load_peak_mib") if m in r})
+    mine = {"formats": ("writers", "compare_root"), "pyarrow": ("rows", "clients", "features")}[mode]
+    flags = SimpleNamespace(**{k: v for k, v in vars(args).items() if k in (*mine, "dir", "repeats", "keep", "no_track")})
+    bench.track(flags, "bench_data", rows, f"{title}\n\n" + "\n".join(lines), params={"mode": mode, **params},
+                metrics=metrics)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench.parser(__doc__)
     parser.add_argument("--writers", type=int, default=1000, help="formats: writers (3400: FEMNIST's scale)")
     parser.add_argument("--compare-root", help="formats: also load LEAF and CSV with the pfl package in this folder")
     parser.add_argument("--pyarrow", action="store_true", help="the large-Parquet benchmark against pyarrow instead")
@@ -366,11 +349,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", default=str(Path(tempfile.gettempdir()) / "pfl-bench-data"))
     parser.add_argument("--repeats", type=int, default=None, help="default: 1 (formats), 3 (--pyarrow)")
     parser.add_argument("--keep", action="store_true", help="keep the generated files")
-    parser.add_argument("--no-track", action="store_true")
     args = parser.parse_args(argv)
     args.repeats = args.repeats or (3 if args.pyarrow else 1)
     return large_parquet(args) if args.pyarrow else formats(args)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(bench.main(main, child=write_child))

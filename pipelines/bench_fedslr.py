@@ -13,18 +13,16 @@ Prints a table and logs the numbers to one MLflow run (``bench_fedslr``).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
 
-
 import torch
 
+from pfl import bench
 from pfl.config import apply_overrides
 from pfl.resolver import load
 from pfl.schema import ConfigError
-from pfl.tracking import Tracker, run_hint
 from pfl.tune.space import load_scenario
 
 MODEL_INPUTS = {"cnn_fedavg": ((1, 28, 28), 10), "cnn_fpfc": ((1, 28, 28), 10),
@@ -104,7 +102,7 @@ def time_model(name: str, steps: int, batch: int, tau: float, reps: int = 3) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench.parser(__doc__)
     parser.add_argument("--scenario", default="fmnist_dir01")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--max-samples", type=int, default=10000)
@@ -115,28 +113,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=20)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     parser.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--no-track", action="store_true")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     unknown = [m for m in args.models if m not in MODEL_INPUTS]
     if unknown:
-        print(f"config error: --models: unknown {unknown}; allowed: {', '.join(MODEL_INPUTS)}", file=sys.stderr)
-        return 2
-    try:
-        raw = apply_overrides({}, load_scenario(args.scenario))
-        raw = apply_overrides(raw, {"method.name": "fedslr", "method.lam": args.lam, "tracking.enabled": False,
-                                    "federation.rounds": args.rounds, "data.max_samples": args.max_samples,
-                                    "federation.eval_every": 10**6, "federation.eval_global": False})
-        cfg = load(None, apply_overrides(raw, args.set))
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        return 2
-
-    tracker = Tracker.disabled() if args.no_track else Tracker.start(run_name="bench_fedslr")
-    tracker.log_params({"scenario": args.scenario, "rounds": args.rounds, "max_samples": args.max_samples,
-                        "lam": args.lam, "threads": torch.get_num_threads(), "steps": args.steps,
-                        "batch": args.batch})
+        raise ConfigError("--models", f"unknown {unknown}; allowed: {', '.join(MODEL_INPUTS)}")
+    raw = apply_overrides({}, load_scenario(args.scenario))
+    raw = apply_overrides(raw, {"method.name": "fedslr", "method.lam": args.lam, "tracking.enabled": False,
+                                "federation.rounds": args.rounds, "data.max_samples": args.max_samples,
+                                "federation.eval_every": 10**6, "federation.eval_global": False})
+    cfg = load(None, apply_overrides(raw, args.set))
+    metrics: list[tuple[dict, int | None]] = []
 
     print(f"== part 1: simulated FedSLR ({args.scenario}, {cfg.model.name}, λ={args.lam:g}, "
           f"{cfg.federation.clients_per_round} clients/round, {torch.get_num_threads()} threads) ==")
@@ -146,15 +134,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{row['round']:>5} | {row['svd_s']:.4f} | {row['clients_total_s']:.2f} | {row['client_mean_s']:.3f} | "
               f"{row['svd_s'] / row['client_mean_s']:.4f} | {row['svd_s'] / row['clients_total_s']:.5f} | "
               f"{row['rank_mean']:.1f}")
-        tracker.log_metrics({"sim/svd_s": row["svd_s"], "sim/clients_total_s": row["clients_total_s"],
-                             "sim/client_mean_s": row["client_mean_s"],
-                             "sim/svd_over_client": row["svd_s"] / row["client_mean_s"]}, step=row["round"])
+        metrics.append(({"sim/svd_s": row["svd_s"], "sim/clients_total_s": row["clients_total_s"],
+                         "sim/client_mean_s": row["client_mean_s"],
+                         "sim/svd_over_client": row["svd_s"] / row["client_mean_s"]}, row["round"]))
     svd = statistics.mean(r["svd_s"] for r in rows)
     per_client = statistics.mean(r["client_mean_s"] for r in rows)
     total = statistics.mean(r["clients_total_s"] for r in rows)
     print(f"mean | {svd:.4f} | {total:.2f} | {per_client:.3f} | {svd / per_client:.4f} | {svd / total:.5f} |")
-    tracker.log_metrics({"sim/mean_svd_s": svd, "sim/mean_client_s": per_client,
-                         "sim/mean_svd_over_client": svd / per_client, "sim/mean_svd_over_total": svd / total})
+    metrics.append(({"sim/mean_svd_s": svd, "sim/mean_client_s": per_client,
+                     "sim/mean_svd_over_client": svd / per_client, "sim/mean_svd_over_total": svd / total}, None))
 
     if args.models:
         tau = cfg.method.hparams.eta * args.lam
@@ -165,13 +153,12 @@ def main(argv: list[str] | None = None) -> int:
             r = time_model(name, args.steps, args.batch, tau)
             print(f"{r['model']} | {r['matrices']} | {r['params']:,} | {r['svd_s']:.3f} | {r['step_s']:.4f} | "
                   f"{r['client_round_s']:.2f} | {r['ratio']:.4f}", flush=True)
-            tracker.log_metrics({f"{name}/svd_s": r["svd_s"], f"{name}/step_s": r["step_s"],
-                                 f"{name}/client_round_s": r["client_round_s"], f"{name}/svd_over_client": r["ratio"]})
-    tracker.end()
-    if tracker.run_id:
-        print("\n" + run_hint(tracker.run_id, what="MLflow run"))
+            metrics.append(({f"{name}/svd_s": r["svd_s"], f"{name}/step_s": r["step_s"],
+                             f"{name}/client_round_s": r["client_round_s"], f"{name}/svd_over_client": r["ratio"]},
+                            None))
+    bench.track(args, "bench_fedslr", params={"threads": torch.get_num_threads()}, metrics=metrics)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(bench.main(main))

@@ -13,12 +13,12 @@ and |A| = 100 on (100, 100, 610) tensors, and logs everything to an MLflow run `
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
-from pfl.callbacks.divergence import run_rounds
 
+from pfl import bench
+from pfl.callbacks.divergence import run_rounds
 
 
 def sync(device) -> None:
@@ -29,24 +29,21 @@ def sync(device) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench.parser(__doc__, experiment=True)
     parser.add_argument("--rounds", type=int, default=10, help="timed rounds (after 2 warm-up rounds)")
     parser.add_argument("--device", default="cpu", help="federation.device")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--pair-update", default="once", choices=("once", "official_sequential"))
-    parser.add_argument("--experiment", default=None)
-    parser.add_argument("--no-track", action="store_true")
     args = parser.parse_args(argv)
 
     import torch
 
-    import pfl.methods.base as base
+    import pfl.federation.cohort as cohort
     from pfl.resolver import load
     from pfl.federation.loop import Callback, RoundLoop
     from pfl.federation.simulator import Simulator
     from pfl.methods.fpfc import pair_update, zeta
     from pfl.prox import scad_prox
-    from pfl.tracking import Tracker, run_hint
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -55,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         "data.test_fraction": 0.2, "method.name": "fpfc", "method.pair_update": args.pair_update,
         "federation.clients_per_round": 30, "federation.batch_size": 0, "federation.local_steps": 10,
         "federation.lr": 0.1, "federation.rounds": 10**6, "federation.eval_every": 10**6,
-        "federation.device": args.device, "tracking.enabled": False, "seed": 1,
+        "federation.device": args.device, "federation.cohort": "sequential", "tracking.enabled": False, "seed": 1,
     })
     sim = Simulator(cfg)
     device = sim.device
@@ -73,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
             return out
         return wrapper
 
-    original_sgd = base.local_sgd
-    base.local_sgd = timed(original_sgd, "local_sgd")
+    original_sgd = cohort.local_sgd  # what a client's compute calls (a sequential cohort)
+    cohort.local_sgd = timed(original_sgd, "local_sgd")
     method.begin_round = timed(method.begin_round, "server")
     method.aggregate = timed(method.aggregate, "server")
     rows = []
@@ -99,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         run_rounds(sim, until=2)  # warm-up
         RoundLoop(sim, [RoundTimer()]).run(until=sim.round + args.rounds)
     finally:
-        base.local_sgd = original_sgd
+        cohort.local_sgd = original_sgd
 
     med = {k: statistics.median(r[k] for r in rows) for k in ("round", "local_sgd", "server", "other", "samples")}
     other = med["other"]
@@ -139,22 +136,16 @@ def main(argv: list[str] | None = None) -> int:
     for size, t in pair_times.items():
         print(f"  ζ + pair update alone, |A| = {size:3d}: {t * 1e3:8.1f} ms")
 
-    if not args.no_track:
-        tracker = Tracker.start(args.experiment, "bench_fpfc", tags={"pfl.pipeline": "bench_fpfc"})
-        tracker.log_params({"device": str(device), "threads": torch.get_num_threads(), "rounds": args.rounds,
-                            "pair_update": args.pair_update, "clients": 100, "per_round": 30, "p": 610})
-        tracker.log_metrics({"bench/round_ms": med["round"] * 1e3, "bench/local_sgd_ms": med["local_sgd"] * 1e3,
-                             "bench/server_ms": med["server"] * 1e3, "bench/other_ms": other * 1e3,
-                             "bench/ratio_round_local": med["round"] / med["local_sgd"],
-                             "bench/ratio_server_local": med["server"] / med["local_sgd"],
-                             "bench/pair_update_30_ms": pair_times[30] * 1e3,
-                             "bench/pair_update_100_ms": pair_times[100] * 1e3})
-        for i, r in enumerate(rows):
-            tracker.log_metrics({f"bench/{k}_ms": r[k] * 1e3 for k in ("round", "local_sgd", "server")}, step=i)
-        tracker.end()
-        print(run_hint(tracker.run_id, what="MLflow run"))
+    summary = {"bench/round_ms": med["round"] * 1e3, "bench/local_sgd_ms": med["local_sgd"] * 1e3,
+               "bench/server_ms": med["server"] * 1e3, "bench/other_ms": other * 1e3,
+               "bench/ratio_round_local": med["round"] / med["local_sgd"],
+               "bench/ratio_server_local": med["server"] / med["local_sgd"],
+               "bench/pair_update_30_ms": pair_times[30] * 1e3, "bench/pair_update_100_ms": pair_times[100] * 1e3}
+    per_round = [({f"bench/{k}_ms": r[k] * 1e3 for k in ("round", "local_sgd", "server")}, i) for i, r in enumerate(rows)]
+    bench.track(args, "bench_fpfc", params={"device": str(device), "threads": torch.get_num_threads(), "clients": 100,
+                                            "per_round": 30, "p": 610}, metrics=[(summary, None), *per_round])
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(bench.main(main))

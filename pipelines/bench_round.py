@@ -47,17 +47,13 @@ every reply, copied each model three times and re-bound every parameter each ste
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+from pfl import bench
 
 FMNIST = {"data.source": "fmnist", "data.num_clients": 1000, "data.partition.kind": "dirichlet",
           "data.partition.alpha": 0.5, "model.name": "cnn_fedavg", "federation.clients_per_round": 50,
@@ -229,25 +225,20 @@ def compare(sim, limit) -> float:
 
 # ---- one measurement: a fresh process ---------------------------------------------------------
 
-def _status(key: str) -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) / 1024  # kB -> MiB
-    return float("nan")
-
-
-def worker(kind: str, workload: str, rounds: int) -> dict:
+def worker(spec: dict) -> dict:
+    """One measurement (``spec``: kind, workload, rounds), in this fresh process."""
     from pfl.federation.loop import RoundLoop
 
     import torch
 
+    kind, workload, rounds = spec["kind"], spec["workload"], spec["rounds"]
     sim = build(workload)
     # the first torch.optim optimizer imports about 140 MiB of torch modules: every process pays it
     # before the measurement, so the peaks compare what training holds, not which modules it imported
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
     limit = Limit(sim, own=False) if kind == "limit" else None
     step = (lambda r: limit.round(r)) if limit else (lambda r: RoundLoop(sim, []).run(until=r + 1))
-    setup_rss = _status("VmRSS")
+    setup_rss = bench.rss_mib()
     try:  # the peak from here on: training only
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:
@@ -257,16 +248,12 @@ def worker(kind: str, workload: str, rounds: int) -> dict:
     for r in range(1, rounds + 1):
         step(r)
     return {"kind": kind, "workload": workload, "s_per_round": (time.process_time() - cpu) / rounds,
-            "wall_s": (time.perf_counter() - start) / rounds, "peak_mib": _status("VmHWM"), "setup_mib": setup_rss}
+            "wall_s": (time.perf_counter() - start) / rounds, "peak_mib": bench.rss_mib("VmHWM"), "setup_mib": setup_rss}
 
 
 def run_worker(kind: str, workload: str, rounds: int) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, __file__, "--worker", kind, "--workloads", workload, "--rounds", str(rounds)],
-                         capture_output=True, text=True, env=env)
-    if out.returncode != 0:
-        raise RuntimeError(f"{kind} {workload} worker failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return bench.run_child(__file__, {"kind": kind, "workload": workload, "rounds": rounds}, f"{kind} {workload} worker",
+                           env={"OMP_NUM_THREADS": "1"})
 
 
 def check(workload: str, rounds: int = 2) -> float:
@@ -284,27 +271,18 @@ def check(workload: str, rounds: int = 2) -> float:
     return diff
 
 
-def load_average() -> str:
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench.parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="FedAvg only, 3 pairs of 4 rounds (about 2 minutes)")
     parser.add_argument("--workloads", nargs="+", default=None, choices=list(WORKLOADS))
     parser.add_argument("--pairs", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per measurement (after one warm-up)")
-    parser.add_argument("--no-track", action="store_true")
-    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.worker:
-        print(json.dumps(worker(args.worker, args.workloads[0], args.rounds)))
-        return 0
     workloads = args.workloads or (["fedavg"] if args.quick else list(WORKLOADS))
     pairs = args.pairs or (3 if args.quick else 5)
     rounds = args.rounds or (4 if args.quick else 30)
     kinds = ["pfl", "limit"]
-    load_before = load_average()
+    load_before = bench.load_average()
     rows = []
     for workload in workloads:
         diff = check(workload)
@@ -329,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         row["time_ratio"] = row["pfl_s"] / row["limit_s"]
         row["mem_ratio"] = row["pfl_mib"] / row["limit_mib"]
         rows.append(row)
-    load_after = load_average()
+    load_after = bench.load_average()
     print(f"\n== one round: pfl vs the limit (CPU s/round, wall s/round in brackets; medians of {pairs} "
           f"alternating pairs of {rounds} timed rounds; 1 thread; load average before {load_before}, after "
           f"{load_after}) ==")
@@ -342,21 +320,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['pfl_mib']:>8.0f} {r['limit_mib']:>9.0f} {r['mem_ratio']:>6.3f} "
                 f"{r['pfl_added_mib']:>6.0f} {r['limit_added_mib']:>7.0f}")
         print(line)
-    if not args.no_track:
-        import pandas as pd
-
-        from pfl.tracking import Tracker
-
-        tracker = Tracker.start(None, "bench_round", tags={"pfl.pipeline": "bench_round"})
-        tracker.log_params({"pairs": pairs, "rounds": rounds, "quick": args.quick, "load_before": load_before,
-                            "load_after": load_after})
-        for r in rows:
-            tracker.log_metrics({f"{r['workload']}/{k}": v for k, v in r.items() if isinstance(v, float)})
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "bench_round.csv"
-            pd.DataFrame(rows).to_csv(path, index=False)
-            tracker.log_artifact(path)
-        tracker.end("FINISHED")
+    bench.track(args, "bench_round", rows, params={"workloads": " ".join(workloads), "pairs": pairs, "rounds": rounds,
+                                                   "load_before": load_before, "load_after": load_after},
+                metrics={f"{r['workload']}/{k}": v for r in rows for k, v in r.items() if isinstance(v, float)})
     fedavg = next((r for r in rows if r["workload"] == "fedavg"), None)
     if fedavg is not None:
         print(f"pfl/limit per round: {fedavg['time_ratio']:.3f}, peak memory: {fedavg['mem_ratio']:.3f}")
@@ -364,4 +330,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(bench.main(main, child=worker))

@@ -52,18 +52,16 @@ time against the population) to an MLflow run ``bench_scale``. The goals (issue 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from pfl import bench
 
 FEATURES, HIDDEN, CLASSES = 256, 128, 10
 PARAMS = FEATURES * HIDDEN + HIDDEN + HIDDEN * CLASSES + CLASSES
@@ -119,10 +117,10 @@ def timed(owner, name: str, spent: dict) -> None:
     setattr(owner, name, wrapper)
 
 
-def child(spec: dict) -> dict:
-    """One row, measured in this (fresh) process."""
-    import resource
-
+def child(spec: dict) -> dict | list[dict]:
+    """One row (or, with ``long``, a long run's blocks), measured in this (fresh) process."""
+    if spec.get("long"):
+        return child_long(spec)
     t0 = time.perf_counter()
     base_load = os.getloadavg()[0]
     from pfl.federation import durable, records
@@ -134,7 +132,7 @@ def child(spec: dict) -> dict:
     for owner, name in ((records, "checksum"), (durable, "file_crc"), (os, "fsync")):
         timed(owner, name, spent)
 
-    base_rss = rss_mib()
+    base_rss = bench.rss_mib()
     cfg = bench_config(spec, spec["rounds"] + 10, **{"federation.eval_clients": 1000})
     t_cfg = time.perf_counter()
     sim = Simulator(cfg)
@@ -180,16 +178,9 @@ def child(spec: dict) -> dict:
         start = time.perf_counter()
         sim.evaluate(final=True)
         out["full_eval_s"] = time.perf_counter() - start
-    out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    out["peak_rss_mib"] = bench.peak_rss_mib()
     out["load_after"] = os.getloadavg()[0]
     return out
-
-
-def rss_mib() -> float:
-    for line in open("/proc/self/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def du(path: Path) -> float:
@@ -204,11 +195,7 @@ def measure(spec: dict):
     """``spec`` run in a fresh process (its own peak memory, its own imports)."""
     with tempfile.TemporaryDirectory(dir=spec["work"]) as tmp:
         spec = dict(spec, ckpt_dir=tmp, store_dir=spec["store_dir"] or tmp)
-        proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
-                              env={**os.environ, "PYTHONPATH": str(ROOT)})
-    if proc.returncode != 0:
-        raise RuntimeError(f"{spec['method']} at {spec['clients']} clients failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+        return bench.run_child(__file__, spec, f"{spec['method']} at {spec['clients']} clients")
 
 
 def ratio_cell(r: dict, key: str) -> str:
@@ -324,7 +311,7 @@ def plot_long(long_runs: dict[str, list[dict]], clients: int, refs: dict[str, fl
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench.parser(__doc__)
     parser.add_argument("--populations", type=int, nargs="+", default=[1000, 10000, 100000])
     parser.add_argument("--methods", nargs="+", default=["fedavg", "ditto"])
     parser.add_argument("--rounds", type=int, default=10)
@@ -334,16 +321,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--long-rounds", type=int, default=0,
                         help="also run each method this many rounds at the largest population (s/round as the store fills)")
     parser.add_argument("--store-dir", default=None, help="federation.client_store_dir (default: a temporary folder)")
-    parser.add_argument("--no-track", action="store_true")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     for name, least in (("rounds", 1), ("repeats", 1), ("long_rounds", 0)):
         if getattr(args, name) < least:
             parser.error(f"--{name.replace('_', '-')} must be at least {least}, got {getattr(args, name)}")
-    if args.child:
-        spec = json.loads(args.child)
-        print(json.dumps(child_long(spec) if spec.get("long") else child(spec)))
-        return 0
 
     work = Path(tempfile.mkdtemp(prefix="pfl-bench-scale-"))
     smallest = min(args.populations)
@@ -393,53 +374,32 @@ def main(argv: list[str] | None = None) -> int:
         r["cpu_x_1k"] = statistics.median(r.get("round_cpu_s_ratios") or [float("nan")])
     rows += [{"method": "fpfc", "clients": m, "skipped": f"θ and v need {fpfc_gb(m):,.0f} GB (2·m²·p floats, "
               f"p = {PARAMS:,})"} for m in sorted(args.populations)]
-    cpus = os.cpu_count()
     text = table(rows) + "\n\nWhat integrity costs (medians over the repeats):\n\n" + integrity_table(rows)
     title = (f"== bench_scale: crowd source, MLP 256-128-10 ({PARAMS:,} parameters), 100 clients a round, "
-             f"{args.rounds} rounds, client_memory_gb {args.budget_gb:g}, {cpus} CPUs ==")
-    print("\n" + title + "\n" + text)
+             f"{args.rounds} rounds, client_memory_gb {args.budget_gb:g}, {os.cpu_count()} CPUs ==")
     refs = {r["method"]: r["round_s"] for r in rows
             if not r.get("skipped") and r["clients"] == smallest and r["store_choice"] == "auto"}
-    long_text = long_table(long_runs, refs) if long_runs else ""
-    if long_text:
-        print(f"\n== s/round as the store fills: {max(args.populations):,} clients, {args.long_rounds} rounds ==\n"
-              + long_text)
-    if not args.no_track:
-        import pandas as pd
+    report = title + "\n" + text
+    if long_runs:
+        report += (f"\n\n== s/round as the store fills: {max(args.populations):,} clients, {args.long_rounds} "
+                   "rounds ==\n" + long_table(long_runs, refs))
+    print("\n" + report)
+    metrics = [({f"{r['method']}_{r['store_choice']}/{k}": float(r[k]) for k in
+                 ("startup_s", "round_s", "round_cpu_s", "x_1k", "cpu_x_1k", "eval_s", "ckpt_first_s",
+                  "ckpt_next_s", "ckpt_mb", "store_mb", "peak_rss_mib", "load_before", *INTEGRITY)}, r["clients"])
+               for r in rows if not r.get("skipped")]
+    metrics += [({f"{method}_long/{k}": float(b[k]) for k in ("round_s", "round_cpu_s", "stored")}, b["rounds"])
+                for method, blocks in long_runs.items() for b in blocks]
 
-        from pfl.tracking import Tracker
+    def plots(out: Path) -> list[Path]:
+        drawn = [plot(rows, out / "bench_scale.png")]
+        if long_runs:
+            drawn.append(plot_long(long_runs, max(args.populations), refs, out / "bench_scale_long.png"))
+        return drawn
 
-        tracker = Tracker.start(None, "bench_scale", tags={"pfl.pipeline": "bench_scale"})
-        tracker.log_params({"populations": " ".join(map(str, args.populations)), "methods": " ".join(args.methods),
-                            "rounds": args.rounds, "repeats": args.repeats, "budget_gb": args.budget_gb,
-                            "cpus": cpus, "params": PARAMS})
-        for r in rows:
-            if r.get("skipped"):
-                continue
-            key = f"{r['method']}_{r['store_choice']}"
-            tracker.log_metrics({f"{key}/{k}": float(r[k]) for k in
-                                 ("startup_s", "round_s", "round_cpu_s", "x_1k", "cpu_x_1k", "eval_s", "ckpt_first_s",
-                                  "ckpt_next_s", "ckpt_mb", "store_mb", "peak_rss_mib", "load_before", *INTEGRITY)},
-                                step=r["clients"])
-        for method, blocks in long_runs.items():
-            for b in blocks:
-                tracker.log_metrics({f"{method}_long/{k}": float(b[k]) for k in ("round_s", "round_cpu_s", "stored")},
-                                    step=b["rounds"])
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp)
-            pd.DataFrame(rows).to_csv(out / "bench_scale.csv", index=False)
-            (out / "bench_scale.md").write_text(title + "\n\n" + text + "\n" + (
-                f"\n## s/round as the store fills ({args.long_rounds} rounds)\n\n{long_text}\n" if long_text else ""))
-            names = ["bench_scale.csv", "bench_scale.md", "bench_scale.png"]
-            plot(rows, out / "bench_scale.png")
-            if long_runs:
-                plot_long(long_runs, max(args.populations), refs, out / "bench_scale_long.png")
-                names.append("bench_scale_long.png")
-            for name in names:
-                tracker.log_artifact(out / name)
-        tracker.end("FINISHED")
+    bench.track(args, "bench_scale", rows, report, params={"params": PARAMS}, metrics=metrics, plots=plots)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(bench.main(main, child=child))

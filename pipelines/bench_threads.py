@@ -15,15 +15,14 @@ Prints the table (median of the repeats) and logs it, with every measurement, to
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+from pfl import bench
 
 WORKLOADS = {
     "s1": ["--scenario", "fpfc_s1", "--set", "method.name=fpfc", "federation.rounds=20", "federation.eval_every=10"],
@@ -53,12 +52,11 @@ def run_once(workload: str, threads: int, timeout: float) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench.parser(__doc__)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2, 0])
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds before a cell is given up")
-    parser.add_argument("--no-track", action="store_true")
     args = parser.parse_args(argv)
 
     from pfl.config import FederationConfig
@@ -96,26 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         median = "timeout" if r["median_s"] != r["median_s"] else f"{r['median_s']:.1f}"
         print(f"{r['workload']:<8} {r['load']:<5} {r['threads']:<22} {median:>9}  {r['runs']}")
-    if not args.no_track:
-        import pandas as pd
-
-        from pfl.tracking import Tracker, run_hint
-
-        tracker = Tracker.start(None, "bench_threads", tags={"pfl.pipeline": "bench_threads"})
-        tracker.log_params({"threads": " ".join(map(str, args.threads)), "repeats": args.repeats, "cores": cores,
-                            "default_threads": default})
-        for r in rows:
-            if r["median_s"] == r["median_s"]:
-                key = f"{r['workload']}/{r['load']}/threads_{r['threads'].split()[0]}_s"
-                tracker.log_metrics({key: r["median_s"]})
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "bench_threads.csv"
-            pd.DataFrame(rows).to_csv(path, index=False)
-            tracker.log_artifact(path)
-        tracker.end("FINISHED")
-        print(run_hint(tracker.run_id, what="MLflow run"))
+    bench.track(args, "bench_threads", rows, params={"cores": cores, "default_threads": default},
+                metrics={f"{r['workload']}/{r['load']}/threads_{r['threads'].split()[0]}_s": r["median_s"] for r in rows})
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(bench.main(main))

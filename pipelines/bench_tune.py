@@ -1,11 +1,12 @@
 """Benchmark: Ray Tune overhead — the same trials through the sweep pipeline vs a plain loop.
 
-    python pipelines/bench_tune.py [--space search_spaces/fpfc.yaml] [--trials 2] [--rounds 600]
+    python pipelines/bench_tune.py [--space search_spaces/fpfc.yaml] [--trials 2] [--rounds 600] [--no-track]
 
 Both sides run the same configurations (a grid over the space's first searched key) with
 MLflow tracking on, one trial at a time on one CPU (``max_concurrent: 1``), so
 the difference is Ray's and Tune's own cost: process start, scheduling, result plumbing and
-checkpoints. Prints a table and logs it to MLflow (experiment ``pfl-bench``).
+checkpoints. Prints a table and logs it to MLflow (experiment ``pfl-bench``, run ``bench_tune``;
+``--no-track`` leaves that run out, the measured trials log theirs all the same).
 
 The default is FPFC on S1 (trials of about two minutes). Most of the overhead is a fixed start-up
 cost (Ray itself, then a worker process importing torch, Ray and MLflow for every trial: about
@@ -15,17 +16,16 @@ trial lengths you intend to run.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+from pfl import bench
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench.parser(__doc__)
     parser.add_argument("--space", default=str(Path(__file__).resolve().parents[1] / "search_spaces" / "fpfc.yaml"))
     parser.add_argument("--trials", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=600)
@@ -38,7 +38,6 @@ def main(argv: list[str] | None = None) -> int:
     from pfl.config import apply_overrides
     from pfl.resolver import resolve
     from pfl.runner import run_experiment
-    from pfl.tracking import Tracker, run_hint
     from pfl.tune.space import base_config, load_space
     from pfl.tune.sweep import run_sweep
 
@@ -72,16 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     table = pd.DataFrame([{"trials": len(values), "rounds": args.rounds, "plain_loop_s": round(plain, 1),
                            "ray_tune_s": round(tuned, 1), "overhead": round(tuned / plain - 1, 3)}])
     print(table.to_string(index=False))
-    tracker = Tracker.start("pfl-bench", run_name="bench_tune", sweep=True)
-    tracker.log_params({"space": args.space, "trials": len(values), "rounds": args.rounds, "key": key})
-    tracker.log_metrics({"bench/plain_s": plain, "bench/tune_s": tuned, "bench/overhead": tuned / plain - 1})
-    with tempfile.TemporaryDirectory() as tmp:
-        table.to_csv(Path(tmp) / "bench_tune.csv", index=False)
-        tracker.log_artifact(Path(tmp) / "bench_tune.csv")
-    tracker.end()
-    print(run_hint(tracker.run_id, what="MLflow run"))
+    bench.track(args, "bench_tune", table.to_dict("records"), experiment="pfl-bench",
+                params={"trials": len(values), "key": key},
+                metrics={"bench/plain_s": plain, "bench/tune_s": tuned, "bench/overhead": tuned / plain - 1})
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(bench.main(main))

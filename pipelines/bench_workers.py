@@ -32,18 +32,16 @@ they report); it counts no bytes (sent/received –). × one process: against pf
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
-import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-CHILD_FLAG = "--child"
+from pfl import bench
+
 FLOWER = Path(__file__).with_name("bench_flower.py")
 
 
@@ -96,7 +94,7 @@ def child(spec: dict) -> dict:
     wall = time.perf_counter() - start
     cpu1, rss = _proc_cpu_and_rss(pids)
     own = time.process_time() - own0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 + rss
+    peak = bench.peak_rss_mib() + rss
     model = sim.method.global_params() or sim.personal_params(0)
     digest = hashlib.sha256(b"".join(t.detach().cpu().numpy().tobytes() for t in model.values())).hexdigest()[:12]
     clients = list(sim.data.clients)
@@ -113,29 +111,22 @@ def child(spec: dict) -> dict:
 
 def measure(spec: dict, flower: str | None = None) -> dict:
     """One row in a fresh process: pfl's (:func:`child`), or with ``flower`` (a Python) Flower's."""
-    cmd = [flower, str(FLOWER)] if flower else [sys.executable, __file__, CHILD_FLAG]
-    proc = subprocess.run(cmd + [json.dumps(spec)], capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{spec}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
-    return json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+    if flower:
+        return bench.run_json([flower, str(FLOWER), json.dumps(spec)], f"Flower {spec}")
+    return bench.run_child(__file__, spec, f"pfl {spec}")
 
 
 def _mb(r: dict, key: str) -> str:
     return f"{r[key]:.1f}" if key in r else "–"
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == [CHILD_FLAG]:
-        print(json.dumps(child(json.loads(argv[1]))))
-        return 0
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str]) -> int:
+    parser = bench.parser(__doc__)
     parser.add_argument("--methods", nargs="+", default=["fedavg", "ditto"])
     parser.add_argument("--workers", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--clients", type=int, default=1000)
     parser.add_argument("--per-round", type=int, default=50)
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--no-track", action="store_true")
     parser.add_argument("--flower", metavar="PYTHON", help="a Python with flwr[simulation]: add Flower's fedavg rows")
     args = parser.parse_args(argv)
     rows = []
@@ -154,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)
     base = {r["method"]: r for r in rows if r["workers"] == 1 and r["framework"] == "pfl"}
     lines = [f"== bench_workers: FMNIST Dir(0.1), cnn_fedavg, {args.clients} clients, {args.per_round} a round, "
-             f"{args.rounds} rounds, {os.cpu_count()} CPUs ==", "",
+             f"{args.rounds} rounds, {bench.machine()} ==", "",
              "| framework | method | workers (Flower: actors) | s/round | × one process | CPU s/round (all) | "
              "driver CPU | peak MiB | sent MB/round | received MB/round | same bits | test acc % |", "|" + "---|" * 12]
     for r in rows:
@@ -167,26 +158,13 @@ def main(argv: list[str] | None = None) -> int:
                      f"{_mb(r, 'received_mb')} | {same} | {100 * r['test_acc']:.2f} |")
     text = "\n".join(lines)
     print("\n" + text)
-    if not args.no_track:
-        import tempfile
-
-        from pfl.runner import write_table
-        from pfl.tracking import Tracker, run_hint
-
-        tracker = Tracker.start(None, "bench_workers", tags={"pfl.pipeline": "bench_workers"})
-        tracker.log_params(vars(args))
-        for r in rows:
-            prefix = r["method"] if r["framework"] == "pfl" else f"{r['framework']}_{r['method']}"
-            tracker.log_metrics({f"{prefix}/{k}": float(r[k]) for k in ("s_per_round", "all_cpu_s", "driver_cpu_s",
-                                                                        "peak_mib", "sent_mb", "received_mb",
-                                                                        "test_acc") if k in r}, step=r["workers"])
-        with tempfile.TemporaryDirectory() as tmp:
-            write_table(tracker, [{k: v for k, v in r.items()} for r in rows], "bench_workers", text, Path(tmp))
-        tracker.end("FINISHED")
-        print(run_hint(tracker.run_id, what="MLflow run"))
+    metrics = [({f"{r['method'] if r['framework'] == 'pfl' else r['framework'] + '_' + r['method']}/{k}": float(r[k])
+                 for k in ("s_per_round", "all_cpu_s", "driver_cpu_s", "peak_mib", "sent_mb", "received_mb", "test_acc")
+                 if k in r}, r["workers"]) for r in rows]
+    bench.track(args, "bench_workers", rows, text, metrics=metrics)
     return 1 if any(r["framework"] == "pfl" and r["workers"] > 1 and base.get(r["method"])
                     and base[r["method"]]["digest"] != r["digest"] for r in rows) else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(bench.main(main, child=child))
