@@ -49,17 +49,13 @@ DETECTED = ("killed", "caught by type check")
 
 def results(root: Path = ROOT) -> dict[str, int | None]:
     """Every mutant name → its exit code (None: not run yet): mutmut's, overridden by the direct
-    runner's where that ran the mutant on the file as it is now."""
+    runner's where that still holds (:func:`_valid_rows`)."""
     out: dict[str, int | None] = {}
     for meta in sorted((root / "mutants").rglob("*.meta")):
         out.update(json.loads(meta.read_text())["exit_code_by_key"])
-    direct = root / "mutants" / DIRECT
-    if direct.exists():
-        hashes: dict[str, str] = {}
-        for line in direct.read_text().splitlines():
-            row = json.loads(line)
-            if row["name"] in out and row["hash"] == hashes.setdefault(row["file"], _file_hash(root, row["file"])):
-                out[row["name"]] = row["code"]
+    for row in _valid_rows(root):
+        if row["name"] in out:
+            out[row["name"]] = row["code"]
     return out
 
 
@@ -70,14 +66,28 @@ def _file_hash(root: Path, module: str) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.exists() else ""
 
 
-def _direct_results(root: Path = ROOT) -> set[str]:
-    """The mutants the direct runner has a result for on their file as it is now."""
+def _tests_digest(tests) -> str:
+    return hashlib.sha256("\n".join(sorted(tests)).encode()).hexdigest()[:16]
+
+
+def _valid_rows(root: Path = ROOT) -> list[dict]:
+    """The direct runner's results that still hold: run on the mutated file as it is now, and either
+    killed or run with the covering tests mutmut's stats name now (a test added since may kill a
+    survivor, or cover a mutant that had none)."""
     path = root / "mutants" / DIRECT
     if not path.exists():
-        return set()
+        return []
     rows = [json.loads(line) for line in path.read_text().splitlines()]
+    tests_by_fn, _ = covering_tests(root)
     hashes = {f: _file_hash(root, f) for f in {r["file"] for r in rows}}
-    return {r["name"] for r in rows if r["hash"] == hashes[r["file"]]}
+    return [r for r in rows if r["hash"] == hashes[r["file"]]
+            and (STATUS.get(r["code"]) in DETECTED
+                 or r.get("tests") == _tests_digest(tests_by_fn.get(function_of(r["name"]), ())))]
+
+
+def _direct_results(root: Path = ROOT) -> set[str]:
+    """The mutants with a direct result that still holds."""
+    return {r["name"] for r in _valid_rows(root)}
 
 
 def _cpu_seconds(pid: int, wall: float) -> float:
@@ -161,7 +171,8 @@ def direct_run(names: list[str], jobs: int, deadline_s: float, root: Path = ROOT
     def record(name: str, code: int, seconds: float) -> None:
         f = file_of(name)
         out.write(json.dumps({"name": name, "code": code, "seconds": round(seconds, 2), "file": f,
-                              "hash": hashes.setdefault(f, _file_hash(root, f))}) + "\n")
+                              "hash": hashes.setdefault(f, _file_hash(root, f)),
+                              "tests": _tests_digest(tests_by_fn.get(function_of(name), ()))}) + "\n")
         out.flush()
 
     for name in skipped:
