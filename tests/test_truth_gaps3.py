@@ -64,3 +64,98 @@ def test_fpfc_theta_gap_is_the_largest_within_and_smallest_between_true_cluster_
     gap = method.theta_gap()
     assert gap == {"fpfc/theta_max_within": pytest.approx(within), "fpfc/theta_min_between": pytest.approx(between)}
     assert np.isfinite(within) and np.isfinite(between)
+
+
+def _ckt(seed: int = 0, size: int = 100, cache: bool = True):
+    from pfl.resolver import load
+
+    return Simulator(load(None, {
+        "method.name": "perfed_ckt", "method.architectures": ["softmax_regression"], "method.public_size": size,
+        "model.name": "softmax_regression", "data.source": "digits", "data.num_clients": 6,
+        "data.max_samples": 600, "data.cache": cache, "federation.batch_size": 0, "federation.local_steps": 1,
+        "tracking.enabled": False, "seed": seed}))
+
+
+def _rows(x: torch.Tensor) -> set[bytes]:
+    return {r.tobytes() for r in x.double().cpu().numpy()}
+
+
+def _client_rows(sim) -> set[bytes]:
+    return set().union(*(_rows(torch.cat([c.x_train, c.x_val, c.x_test])) for c in sim.data.clients))
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_the_held_out_public_set_is_distinct_digits_rows_no_client_holds(cache):
+    """same_heldout on digits with 600 of its 1,797 samples given to clients: 100 distinct rows of
+    the source, none of them any client's train, validation or test row (checked by content), the
+    overlap 0; the same seed draws the same rows (partition cached or recomputed), another seed others."""
+    from pfl.data import source_spec
+
+    sim = _ckt(cache=cache)
+    pub = sim.method.public
+    src = source_spec("digits").load({}, 6)
+    everything = _rows(torch.from_numpy(src.rows(np.arange(len(src.y)))))
+    mine, held = _rows(pub.x), _client_rows(sim)
+    assert len(pub) == len(mine) == 100 and mine <= everything
+    assert len(held) == 600 and not (mine & held) and pub.overlap == 0 and pub.source == "same_heldout"
+    assert _rows(_ckt(cache=not cache).method.public.x) == mine
+    assert _rows(_ckt(seed=1, cache=cache).method.public.x) != mine
+
+
+def test_a_public_set_larger_than_the_unused_pool_is_that_pool(caplog):
+    """public_size 5,000 > the 1,197 samples no client holds: the set is exactly those samples, said."""
+    from pfl.data import source_spec
+
+    with caplog.at_level("WARNING"):
+        sim = _ckt(size=5000)
+    src = source_spec("digits").load({}, 6)
+    everything = _rows(torch.from_numpy(src.rows(np.arange(len(src.y)))))
+    pub = sim.method.public
+    assert _rows(pub.x) == everything - _client_rows(sim) and len(pub) == 1197 and pub.requested == 5000
+    assert "only 1197 samples of digits are held by no client" in caplog.text
+
+
+def test_a_public_set_of_exactly_the_unused_pool_warns_of_nothing(caplog):
+    with caplog.at_level("WARNING"):
+        sim = _ckt(size=1197)
+    assert len(sim.method.public) == 1197 and "public set" not in caplog.text
+
+
+def test_a_per_device_source_says_its_public_rows_are_client_data(caplog):
+    from pfl.resolver import load
+
+    with caplog.at_level("WARNING"):
+        Simulator(load(None, {"method.name": "perfed_ckt", "method.architectures": ["softmax_regression"],
+                              "method.public_size": 30, "model.name": "softmax_regression",
+                              "data.source": "fpfc_synthetic", "data.num_clients": 6, "federation.batch_size": 0,
+                              "federation.local_steps": 1, "tracking.enabled": False, "data.cache": False}))
+    assert "every sample of fpfc_synthetic belongs to a client" in caplog.text
+    assert "set data.max_samples below the pool size" in caplog.text and "method.public_source" in caplog.text
+
+
+@pytest.mark.parametrize("source, words", [
+    ("nope", "unknown public source 'nope'; allowed: same_heldout, digits, fmnist"),
+    ("fpfc_synthetic", "'fpfc_synthetic' generates per-device data and has no sample pool; use same_heldout"),
+])
+def test_a_public_source_that_cannot_be_one_is_refused_naming_the_field(source, words):
+    from pfl.methods.public_set import check_public_source
+
+    with pytest.raises(ConfigError) as err:
+        check_public_source(source)
+    assert err.value.field == "method.public_source" and words in str(err.value)
+    check_public_source("same_heldout")
+    check_public_source("fmnist")
+
+
+def test_another_sources_public_rows_must_have_the_tasks_shape():
+    """fmnist's 28×28 images for the 8×8 digits task: refused on method.public_source, both shapes named."""
+    from pfl.resolver import load
+
+    cfg = load(None, {"method.name": "perfed_ckt", "method.architectures": ["softmax_regression"],
+                      "method.public_size": 50, "method.public_source": "fmnist", "model.name": "softmax_regression",
+                      "data.source": "digits", "data.num_clients": 6, "federation.batch_size": 0,
+                      "tracking.enabled": False})
+    with pytest.raises(ConfigError) as err:
+        Simulator(cfg)
+    assert err.value.field == "method.public_source"
+    assert "public source 'fmnist' has samples of shape" in str(err.value) and "'digits' needs (64,)" in str(err.value)
