@@ -159,3 +159,38 @@ def test_another_sources_public_rows_must_have_the_tasks_shape():
         Simulator(cfg)
     assert err.value.field == "method.public_source"
     assert "public source 'fmnist' has samples of shape" in str(err.value) and "'digits' needs (64,)" in str(err.value)
+
+
+def test_fedslr_read_outs_are_the_ranks_counts_and_sparsity_of_what_it_holds():
+    """FedSLR's model/* metrics against numpy: each matrix's rank from its singular values (the GKR
+    after SVT is exactly low rank), the stored scalars as min((m + n)·r, m·n) per matrix plus every
+    other tensor's size, and the sparsity / mixed size from the clients' own P (counted here)."""
+    from helpers import small_config
+
+    sim = Simulator(small_config(method__name="fedslr", method__lam=3e-2, federation__rounds=3,
+                                 federation__clients_per_round=10, federation__eval_every=3))
+    run_rounds(sim)
+    method = sim.method
+    metrics = method.extra_metrics(sim.round)
+    ranks, params = {}, 0
+    for name, value in method.global_model.items():
+        if name in method.low_rank_names:
+            m = value.double().reshape(value.shape[0], -1).numpy()
+            s = np.linalg.svd(m, compute_uv=False)
+            r = int((s > s.max() * 1e-6).sum()) if s.max() > 0 else 0
+            ranks[name] = (r, min(m.shape))
+            params += min((m.shape[0] + m.shape[1]) * r, m.size)
+        else:
+            params += value.numel()
+    assert any(r < full for r, full in ranks.values())          # λ cut some rank: the read-outs are not trivial
+    assert metrics["model/params"] == params
+    assert metrics["model/rank_mean"] == pytest.approx(np.mean([r for r, _ in ranks.values()]))
+    assert metrics["model/rank_kept_ratio"] == pytest.approx(sum(r for r, _ in ranks.values())
+                                                             / sum(f for _, f in ranks.values()))
+    assert all(metrics[f"model/rank/{n}"] == r for n, (r, _) in ranks.items())
+    ps = [sim.client(c).state["P"] for c in range(10) if "P" in sim.client(c).state]
+    assert len(ps) == 10
+    nnz = [sum(int((v != 0).sum()) for v in p.values()) for p in ps]
+    size = [sum(v.numel() for v in p.values()) for p in ps]
+    assert metrics["model/sparsity"] == pytest.approx(np.mean([1 - z / n for z, n in zip(nnz, size)]))
+    assert metrics["model/mixed_params"] == pytest.approx(params + np.mean(nnz))
