@@ -194,3 +194,20 @@ def test_fedslr_read_outs_are_the_ranks_counts_and_sparsity_of_what_it_holds():
     size = [sum(v.numel() for v in p.values()) for p in ps]
     assert metrics["model/sparsity"] == pytest.approx(np.mean([1 - z / n for z, n in zip(nnz, size)]))
     assert metrics["model/mixed_params"] == pytest.approx(params + np.mean(nnz))
+
+
+@pytest.mark.parametrize("size, params, head", [
+    ((1000, 100), 500, 50),      # the head keeps its tenth
+    ((1000, 100), 30, 3),
+    ((1000, 250), 10, 2),        # 2.5 rounds to the even 2 (Python's round)
+    ((1000, 350), 10, 4),        # 3.5 rounds to the even 4
+    ((10, 10), 4, 4),            # a model that is all head stays all head
+    ((0, 0), 7, 0),              # no parameters: no share to keep
+])
+def test_a_smaller_models_size_keeps_the_heads_share(size, params, head):
+    """ModelSize.with_params (the server-memory check's "a smaller model" option) by hand: the head's
+    share of the parameters rounded, never more than the model; the other fields unchanged."""
+    from pfl.methods.base import ModelSize
+
+    out = ModelSize(params=size[0], head=size[1], features=12, classes=3, itemsize=2).with_params(params)
+    assert (out.params, out.head, out.features, out.classes, out.itemsize) == (params, head, 12, 3, 2)
