@@ -80,6 +80,21 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def proc_cpu_and_rss(pids: Iterable[int]) -> tuple[float, float]:
+    """CPU seconds (user + system) and resident MiB summed over other processes by pid, from
+    /proc (a pool's workers, a simulation's actors); a process that is gone counts nothing."""
+    tick, page = os.sysconf("SC_CLK_TCK"), os.sysconf("SC_PAGE_SIZE")
+    cpu = rss = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            cpu += (int(fields[11]) + int(fields[12])) / tick
+            rss += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * page / 2**20
+        except (OSError, IndexError, ValueError):
+            continue
+    return cpu, rss
+
+
 def load_average() -> str:
     """The 1, 5 and 15 minute load averages: times are noisy when other jobs share the CPUs."""
     return " ".join(f"{x:.2f}" for x in os.getloadavg())

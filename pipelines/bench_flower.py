@@ -45,7 +45,6 @@ import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from pathlib import Path
 from types import SimpleNamespace
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
@@ -57,6 +56,8 @@ from flwr.clientapp import ClientApp  # noqa: E402
 from flwr.serverapp import Grid, ServerApp  # noqa: E402
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
 from flwr.simulation import run_simulation  # noqa: E402
+
+from pfl import bench  # noqa: E402
 
 _SETUPS: dict[str, SimpleNamespace] = {}   # per process: the run's data, model and context, by spec
 
@@ -168,20 +169,6 @@ class PflClients(FedAvg):
                 for cid in self.picks[server_round - 1]]
 
 
-def _proc_cpu_and_rss(pids: list[int]) -> tuple[float, float]:
-    """CPU seconds (user + system) and resident MiB of processes by pid, read from /proc."""
-    tick, page = os.sysconf("SC_CLK_TCK"), os.sysconf("SC_PAGE_SIZE")
-    cpu = rss = 0.0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            cpu += (int(fields[11]) + int(fields[12])) / tick
-            rss += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * page / 2**20
-        except (OSError, IndexError, ValueError):
-            continue
-    return cpu, rss
-
-
 def measure(spec: dict, helper: ProcessPoolExecutor) -> dict:
     spec_json = json.dumps({k: spec[k] for k in ("clients", "per_round", "seed") if k in spec}, sort_keys=True)
     timed, actors, cores = spec["rounds"], spec["actors"], os.cpu_count() or 1
@@ -203,9 +190,9 @@ def measure(spec: dict, helper: ProcessPoolExecutor) -> dict:
         def evaluate_fn(server_round: int, arrays: ArrayRecord) -> None:
             marks.append((time.perf_counter(), time.process_time()))
             if server_round == 1:
-                seen["cpu0"] = _proc_cpu_and_rss(seen["pids"])[0]
+                seen["cpu0"] = bench.proc_cpu_and_rss(seen["pids"])[0]
             if server_round == timed + 1:
-                seen["cpu1"], seen["rss"] = _proc_cpu_and_rss(seen["pids"])
+                seen["cpu1"], seen["rss"] = bench.proc_cpu_and_rss(seen["pids"])
                 seen["peak"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             return None
 

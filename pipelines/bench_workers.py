@@ -45,20 +45,6 @@ from pfl import bench
 FLOWER = Path(__file__).with_name("bench_flower.py")
 
 
-def _proc_cpu_and_rss(pids: list[int]) -> tuple[float, float]:
-    """CPU seconds (user + system) and resident MiB of processes by pid, read from /proc."""
-    tick, page = os.sysconf("SC_CLK_TCK"), os.sysconf("SC_PAGE_SIZE")
-    cpu = rss = 0.0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            cpu += (int(fields[11]) + int(fields[12])) / tick
-            rss += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * page / 2**20
-        except (OSError, IndexError, ValueError):
-            continue
-    return cpu, rss
-
-
 def _worker_pids(sim) -> list[int]:
     """The worker processes of the run's pool (none in one process)."""
     return [int(p) for p in getattr(sim.exchange.runner, "pids", {}).values()]
@@ -80,7 +66,7 @@ def child(spec: dict) -> dict:
     sim = Simulator(load(None, overrides, load_scenario("fmnist_dir01")))
     RoundLoop(sim, []).run(until=1)                 # the workers start, build their data and model
     pids = _worker_pids(sim)
-    cpu0, _ = _proc_cpu_and_rss(pids)
+    cpu0, _ = bench.proc_cpu_and_rss(pids)
     own0 = time.process_time()
     start = time.perf_counter()
     times, sent, received = [], [], []
@@ -92,7 +78,7 @@ def child(spec: dict) -> dict:
         sent.append(metrics.get("workers/sent_bytes", 0.0))
         received.append(metrics.get("workers/received_bytes", 0.0))
     wall = time.perf_counter() - start
-    cpu1, rss = _proc_cpu_and_rss(pids)
+    cpu1, rss = bench.proc_cpu_and_rss(pids)
     own = time.process_time() - own0
     peak = bench.peak_rss_mib() + rss
     model = sim.method.global_params() or sim.personal_params(0)
@@ -129,6 +115,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--flower", metavar="PYTHON", help="a Python with flwr[simulation]: add Flower's fedavg rows")
     args = parser.parse_args(argv)
+    if args.flower and not (Path(args.flower).is_file() and os.access(args.flower, os.X_OK)):
+        parser.error(f"--flower: {args.flower!r} is not an executable Python (make one: see this script's docstring)")
     rows = []
     for method in args.methods:
         for framework in ["pfl"] + (["flower"] if args.flower and method == "fedavg" else []):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import csv
 import math
+import os
 import sys
 import textwrap
 from pathlib import Path
@@ -194,3 +195,22 @@ def test_the_pipelines_keep_to_the_skeleton(name):
             assert node.attr not in ("ArgumentParser", "getrusage")
             assert not (node.attr == "path" and isinstance(node.value, ast.Name) and node.value.id == "sys")
     assert "bench.main(main" in source and "bench.parser(__doc__" in source
+
+
+def test_proc_cpu_and_rss_reads_this_process_and_skips_a_gone_one():
+    """/proc's numbers for this process against getrusage's CPU time and VmRSS, independent reads."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    cpu, rss = bench.proc_cpu_and_rss([os.getpid()])
+    assert cpu == pytest.approx(usage.ru_utime + usage.ru_stime, abs=0.1)
+    assert rss == pytest.approx(bench.rss_mib(), rel=0.05)
+    assert bench.proc_cpu_and_rss([2**22 + 7]) == (0.0, 0.0)    # above Linux's pid limit: no such process
+
+
+def test_bench_workers_refuses_a_flower_python_that_is_not_there(tmp_path):
+    import subprocess
+
+    proc = subprocess.run([sys.executable, str(ROOT / "pipelines" / "bench_workers.py"), "--flower",
+                           str(tmp_path / "nope"), "--no-track"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--flower" in proc.stderr and "not an executable Python" in proc.stderr

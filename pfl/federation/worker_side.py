@@ -69,53 +69,42 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
+def _map_tensors(downs: list[Message | None], fn) -> list[Message | None]:
+    """The downlinks with every plain tensor entry replaced by ``fn(part name, entry name, tensor)``,
+    in client order (the order both sides of the pool walk a call in)."""
+    return [None if msg is None else
+            Message({name: part.replace({k: fn(name, k, e) if isinstance(e, torch.Tensor) else e
+                                         for k, e in part.entries.items()})
+                     for name, part in msg.parts.items()}, msg.info)
+            for msg in downs]
+
+
 def share_equal(downs: list[Message | None]) -> list[Message | None]:
     """The downlinks of one call with every plain tensor that equals, bit for bit, the same entry of
     an earlier client's downlink replaced by that tensor: ``torch.save`` writes a storage once, so
     the global model a round sends to every client crosses once a call instead of once a client
     (the worker gives each client its own copy again: :func:`own_copies`)."""
     seen: dict[tuple, torch.Tensor] = {}
-    out: list[Message | None] = []
-    for msg in downs:
-        if msg is None:
-            out.append(None)
-            continue
-        parts = {}
-        for name, part in msg.parts.items():
-            entries = {}
-            for k, e in part.entries.items():
-                if isinstance(e, torch.Tensor):
-                    first = seen.setdefault((name, k, e.dtype, tuple(e.shape), e.device), e)
-                    if first is not e and torch.equal(_bits(first), _bits(e)):
-                        e = first
-                entries[k] = e
-            parts[name] = part.replace(entries)
-        out.append(Message(parts, msg.info))
-    return out
+
+    def first_equal(name: str, k: str, e: torch.Tensor) -> torch.Tensor:
+        first = seen.setdefault((name, k, e.dtype, tuple(e.shape), e.device), e)
+        return first if first is not e and torch.equal(_bits(first), _bits(e)) else e
+
+    return _map_tensors(downs, first_equal)
 
 
 def own_copies(downs: list[Message | None]) -> list[Message | None]:
     """Undo :func:`share_equal` on the worker: a tensor an earlier client of the call already holds
     is copied, so a client that edits its downlink in place edits its own."""
     held: set[int] = set()
-    out: list[Message | None] = []
-    for msg in downs:
-        if msg is None:
-            out.append(None)
-            continue
-        parts = {}
-        for name, part in msg.parts.items():
-            entries = {}
-            for k, e in part.entries.items():
-                if isinstance(e, torch.Tensor):
-                    ptr = e.untyped_storage().data_ptr()
-                    if ptr in held and e.numel():
-                        e = e.clone()
-                    held.add(ptr)
-                entries[k] = e
-            parts[name] = part.replace(entries)
-        out.append(Message(parts, msg.info))
-    return out
+
+    def own(name: str, k: str, e: torch.Tensor) -> torch.Tensor:
+        ptr = e.untyped_storage().data_ptr()
+        out = e.clone() if ptr in held and e.numel() else e
+        held.add(ptr)
+        return out
+
+    return _map_tensors(downs, own)
 
 
 def data_signature(data) -> tuple:
