@@ -37,6 +37,7 @@ process — the same objects built apart and the same byte strings, without Ray:
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import os
@@ -147,6 +148,8 @@ class _RayWorker:
     def kill(self) -> None:
         import ray
 
+        if not ray.is_initialized():  # Ray is down (its exit hook ran): the actors went with it
+            return
         try:
             ray.kill(self.actor, no_restart=True)
         except Exception as err:  # already gone
@@ -332,6 +335,9 @@ class WorkerPool:
                                          env_vars=self.env)
             where = init_ray(runtime_env=shipped.runtime_env)
             log.info("federation.workers=%d: Ray %s", self.n, where)
+            # exit hooks run last-registered first: this one stops the workers before Ray's own
+            # shutdown, which otherwise may meet a replaced actor mid-teardown (a SIGSEGV at exit)
+            atexit.register(_close_live)
         if not hasattr(self, "_init_ref"):
             self._init_ref = ray.put(self.init)
         cpu, gpu = self.resources.cpu, self.resources.gpu
@@ -345,6 +351,11 @@ class WorkerPool:
 
 #: the pools of this process whose workers may be running
 _LIVE: "weakref.WeakSet[WorkerPool]" = weakref.WeakSet()
+
+
+def _close_live() -> None:
+    for pool in list(_LIVE):
+        pool.close()
 
 
 def _kill_all(workers: list) -> None:
