@@ -95,6 +95,24 @@ def proc_cpu_and_rss(pids: Iterable[int]) -> tuple[float, float]:
     return cpu, rss
 
 
+def pss_mib(pids: Iterable[int]) -> float:
+    """Proportional set size in MiB summed over processes (``/proc/PID/smaps_rollup``): each page
+    shared by k processes counts 1/k in each, so the sum is what the group holds — unlike a sum of
+    resident sets, which counts torch's libraries and Ray's shared-memory object store once per
+    process that touched them. nan where there is no smaps_rollup."""
+    total, seen = 0.0, False
+    for pid in pids:
+        try:
+            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    total += int(line.split()[1]) / 1024
+                    seen = True
+                    break
+        except OSError:
+            continue
+    return total if seen else float("nan")
+
+
 def load_average() -> str:
     """The 1, 5 and 15 minute load averages: times are noisy when other jobs share the CPUs."""
     return " ".join(f"{x:.2f}" for x in os.getloadavg())

@@ -30,6 +30,7 @@ One warm-up round (the actors build their data and model), then ``rounds`` timed
 the gaps between ``evaluate_fn`` calls (the strategy calls it after every round's aggregation). Printed
 (last line, JSON): s/round (median), the driver's CPU s/round, the CPU s/round of the driver plus the
 actors (``/proc``, pids the actors report), the driver's peak plus the actors' resident MiB at the end,
+the driver's and the actors' proportional set sizes at the end summed,
 the final model's digest and its accuracy on the pooled test splits. ``save`` in the spec: the final
 model goes there (``torch.save``, for tests).
 """
@@ -193,6 +194,7 @@ def measure(spec: dict, helper: ProcessPoolExecutor) -> dict:
                 seen["cpu0"] = bench.proc_cpu_and_rss(seen["pids"])[0]
             if server_round == timed + 1:
                 seen["cpu1"], seen["rss"] = bench.proc_cpu_and_rss(seen["pids"])
+                seen["pss"] = bench.pss_mib([os.getpid(), *seen["pids"]])
                 seen["peak"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             return None
 
@@ -214,7 +216,7 @@ def measure(spec: dict, helper: ProcessPoolExecutor) -> dict:
         torch.save({k: torch.from_numpy(v) for k, v in model.items()}, spec["save"])
     return {"s_per_round": statistics.median(times), "wall_s": marks[-1][0] - marks[1][0],
             "driver_cpu_s": own / timed, "all_cpu_s": (own + seen["cpu1"] - seen["cpu0"]) / timed,
-            "peak_mib": seen["peak"] + seen["rss"], "driver_peak_mib": seen["peak"], "actors_mib": seen["rss"],
+            "peak_mib": seen["peak"] + seen["rss"], "pss_mib": seen["pss"], "driver_peak_mib": seen["peak"], "actors_mib": seen["rss"],
             "test_acc": helper.submit(accuracy, spec_json, model).result(),
             "digest": hashlib.sha256(b"".join(v.tobytes() for v in model.values())).hexdigest()[:12],
             "workers_seen": len(seen["pids"])}

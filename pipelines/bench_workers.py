@@ -4,10 +4,13 @@
                                        [--per-round 50] [--rounds 4] [--no-track] [--flower PYTHON]
 
 FedAvg and Ditto on Fashion-MNIST Dir(0.1) with the CNN (``cnn_fedavg``), ``--clients`` clients,
-``--per-round`` a round, one local epoch; each (method, workers) in a fresh process: one warm-up round
+``--per-round`` a round, one local epoch; each (method, workers) in a fresh process, and a pool of one
+worker (row ``1 (pool)``: what the pool costs against one process): one warm-up round
 (the workers start and build their data), then ``--rounds`` timed training rounds, no evaluation.
 Reported: s/round (wall), the driver's CPU s/round, the CPU s/round of every process (the driver and,
-through ``/proc``, Ray's worker processes), the peak resident memory of the driver plus the workers,
+through ``/proc``, Ray's worker processes), the peak resident memory of the driver plus the workers'
+at the end (a sum of resident sets: shared pages count once per process), the proportional set sizes
+of the driver and the workers at the end summed (``PSS MiB``: a shared page split among its users),
 the bytes shipped to and from the workers per round (``workers/sent_bytes``, ``received_bytes``)
 and the speed-up over one process. Every row's model after the rounds is digested: equal digests
 say the workers computed the same bits; its accuracy on every client's test split pooled is a
@@ -64,6 +67,10 @@ def child(spec: dict) -> dict:
                  "federation.rounds": 10**6, "federation.eval_every": 10**6, "federation.workers": spec["workers"],
                  "tracking.enabled": False}
     sim = Simulator(load(None, overrides, load_scenario("fmnist_dir01")))
+    if spec.get("pool"):   # the pool's own cost: its one worker does what this process would
+        from pfl.federation.workers import start_pool
+
+        sim.exchange.runner = start_pool(sim, sim.exchange.runner, n=1)
     RoundLoop(sim, []).run(until=1)                 # the workers start, build their data and model
     pids = _worker_pids(sim)
     cpu0, _ = bench.proc_cpu_and_rss(pids)
@@ -79,6 +86,7 @@ def child(spec: dict) -> dict:
         received.append(metrics.get("workers/received_bytes", 0.0))
     wall = time.perf_counter() - start
     cpu1, rss = bench.proc_cpu_and_rss(pids)
+    pss = bench.pss_mib([os.getpid(), *pids])
     own = time.process_time() - own0
     peak = bench.peak_rss_mib() + rss
     model = sim.method.global_params() or sim.personal_params(0)
@@ -90,7 +98,7 @@ def child(spec: dict) -> dict:
     if close:
         close()
     return {"s_per_round": statistics.median(times), "wall_s": wall, "driver_cpu_s": own / spec["rounds"],
-            "all_cpu_s": (own + cpu1 - cpu0) / spec["rounds"], "peak_mib": peak,
+            "all_cpu_s": (own + cpu1 - cpu0) / spec["rounds"], "peak_mib": peak, "pss_mib": pss,
             "sent_mb": statistics.mean(sent) / 1e6, "received_mb": statistics.mean(received) / 1e6, "digest": digest,
             "workers_seen": len(pids), "test_acc": acc}
 
@@ -100,6 +108,19 @@ def measure(spec: dict, flower: str | None = None) -> dict:
     if flower:
         return bench.run_json([flower, str(FLOWER), json.dumps(spec)], f"Flower {spec}")
     return bench.run_child(__file__, spec, f"pfl {spec}")
+
+
+def _median_row(seen: list[dict]) -> dict:
+    """One row from its repeats: each number's median, the s/round range, the digests (equal: the
+    same bits every time, else marked)."""
+    out = dict(seen[0])
+    for k, v in seen[0].items():
+        if isinstance(v, float):
+            out[k] = statistics.median(r[k] for r in seen)
+    out["range"] = (min(r["s_per_round"] for r in seen), max(r["s_per_round"] for r in seen))
+    if len({r["digest"] for r in seen}) > 1:
+        out["digest"] = "differs between repeats"
+    return out
 
 
 def _mb(r: dict, key: str) -> str:
@@ -114,44 +135,66 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--per-round", type=int, default=50)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--flower", metavar="PYTHON", help="a Python with flwr[simulation]: add Flower's fedavg rows")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="measure every row this many times, in turn; the table gives medians and the s/round range")
+    parser.add_argument("--no-pool-of-one", action="store_true",
+                        help="leave out the row of a pool of one worker (what the pool costs against one process)")
     args = parser.parse_args(argv)
+    if args.repeat < 1:
+        parser.error(f"--repeat: {args.repeat} (allowed: >= 1)")
     if args.flower and not (Path(args.flower).is_file() and os.access(args.flower, os.X_OK)):
         parser.error(f"--flower: {args.flower!r} is not an executable Python (make one: see this script's docstring)")
-    rows = []
+    plan = []
     for method in args.methods:
         for framework in ["pfl"] + (["flower"] if args.flower and method == "fedavg" else []):
-            for n in args.workers:
+            pool_of_one = framework == "pfl" and 1 in args.workers and not args.no_pool_of_one
+            for n in args.workers + (["1 (pool)"] if pool_of_one else []):
                 spec = {"clients": args.clients, "per_round": args.per_round, "rounds": args.rounds}
-                spec.update({"actors": n} if framework == "flower" else {"method": method, "workers": n})
-                r = {"framework": framework, "method": method, "workers": n,
-                     **measure(spec, args.flower if framework == "flower" else None)}
-                rows.append(r)
-                print(f"{framework} {method} {'actors' if framework == 'flower' else 'workers'} {n}: "
-                      f"{r['s_per_round']:.2f} s/round, CPU {r['all_cpu_s']:.2f} s/round (driver "
-                      f"{r['driver_cpu_s']:.2f}), peak {r['peak_mib']:,.0f} MiB, shipped {_mb(r, 'sent_mb')} / "
-                      f"{_mb(r, 'received_mb')} MB a round, model {r['digest']}, test acc {r['test_acc']:.2%}",
-                      flush=True)
+                spec.update({"actors": n} if framework == "flower" else
+                            {"method": method, "workers": 1, "pool": True} if n == "1 (pool)" else
+                            {"method": method, "workers": n})
+                plan.append(({"framework": framework, "method": method, "workers": n}, spec))
+    runs: list[list[dict]] = [[] for _ in plan]
+    for rep in range(args.repeat):   # the rows in turn, again and again: slow spells of the machine hit them all
+        for (row, spec), seen in zip(plan, runs):
+            r = {**row, **measure(spec, args.flower if row["framework"] == "flower" else None)}
+            seen.append(r)
+            print(f"[{rep + 1}/{args.repeat}] {r['framework']} {r['method']} "
+                  f"{'actors' if r['framework'] == 'flower' else 'workers'} {r['workers']}: "
+                  f"{r['s_per_round']:.2f} s/round, CPU {r['all_cpu_s']:.2f} s/round (driver "
+                  f"{r['driver_cpu_s']:.2f}), peak {r['peak_mib']:,.0f} MiB, shipped {_mb(r, 'sent_mb')} / "
+                  f"{_mb(r, 'received_mb')} MB a round, model {r['digest']}, test acc {r['test_acc']:.2%}",
+                  flush=True)
+    rows = [_median_row(seen) for seen in runs]
     base = {r["method"]: r for r in rows if r["workers"] == 1 and r["framework"] == "pfl"}
+    pooled = lambda r: r["framework"] == "pfl" and r["workers"] != 1  # noqa: E731  (N workers or a pool of one)
     lines = [f"== bench_workers: FMNIST Dir(0.1), cnn_fedavg, {args.clients} clients, {args.per_round} a round, "
-             f"{args.rounds} rounds, {bench.machine()} ==", "",
+             f"{args.rounds} rounds, {args.repeat} repeat(s): medians, {bench.machine()} ==", "",
              "| framework | method | workers (Flower: actors) | s/round | × one process | CPU s/round (all) | "
-             "driver CPU | peak MiB | sent MB/round | received MB/round | same bits | test acc % |", "|" + "---|" * 12]
+             "driver CPU | peak MiB | PSS MiB | sent MB/round | received MB/round | same bits | test acc % |", "|" + "---|" * 13]
     for r in rows:
         ref = base.get(r["method"])
         speed = f"{ref['s_per_round'] / r['s_per_round']:.2f}" if ref else "–"
         same = ("–" if r["framework"] != "pfl" or ref is None else "ref" if r is ref
                 else "yes" if ref["digest"] == r["digest"] else "NO")
-        lines.append(f"| {r['framework']} | {r['method']} | {r['workers']} | {r['s_per_round']:.2f} | {speed} | "
-                     f"{r['all_cpu_s']:.2f} | {r['driver_cpu_s']:.2f} | {r['peak_mib']:,.0f} | {_mb(r, 'sent_mb')} | "
+        spread = f" ({r['range'][0]:.2f}–{r['range'][1]:.2f})" if args.repeat > 1 else ""
+        lines.append(f"| {r['framework']} | {r['method']} | {r['workers']} | {r['s_per_round']:.2f}{spread} | {speed} | "
+                     f"{r['all_cpu_s']:.2f} | {r['driver_cpu_s']:.2f} | {r['peak_mib']:,.0f} | {r['pss_mib']:,.0f} | "
+                     f"{_mb(r, 'sent_mb')} | "
                      f"{_mb(r, 'received_mb')} | {same} | {100 * r['test_acc']:.2f} |")
     text = "\n".join(lines)
     print("\n" + text)
-    metrics = [({f"{r['method'] if r['framework'] == 'pfl' else r['framework'] + '_' + r['method']}/{k}": float(r[k])
-                 for k in ("s_per_round", "all_cpu_s", "driver_cpu_s", "peak_mib", "sent_mb", "received_mb", "test_acc")
-                 if k in r}, r["workers"]) for r in rows]
+
+    def prefix(r: dict) -> str:   # pfl's rows by method (a pool of one apart), Flower's by framework
+        name = r["method"] if r["framework"] == "pfl" else f"{r['framework']}_{r['method']}"
+        return name + ("_pool" if r["workers"] == "1 (pool)" else "")
+
+    keys = ("s_per_round", "all_cpu_s", "driver_cpu_s", "peak_mib", "pss_mib", "sent_mb", "received_mb", "test_acc")
+    metrics = [({f"{prefix(r)}/{k}": float(r[k]) for k in keys if k in r},
+                r["workers"] if isinstance(r["workers"], int) else 1) for r in rows]
     bench.track(args, "bench_workers", rows, text, metrics=metrics)
-    return 1 if any(r["framework"] == "pfl" and r["workers"] > 1 and base.get(r["method"])
-                    and base[r["method"]]["digest"] != r["digest"] for r in rows) else 0
+    return 1 if any(pooled(r) and base.get(r["method"]) and base[r["method"]]["digest"] != r["digest"]
+                    for r in rows) else 0
 
 
 if __name__ == "__main__":

@@ -186,6 +186,67 @@ def test_a_round_ships_downlinks_and_states_never_the_data(local_workers):
         assert row["comm/round_up_bytes"] < row["workers/received_bytes"] < data / 4
 
 
+def test_clients_of_a_packed_part_share_a_copy_only_of_what_the_server_did_not_change():
+    """Downlinks the pool packs share one copy of an unchanged server tensor; one the server edited
+    in place between two sends (a new version) is copied again, and the earlier client keeps what it
+    was sent; the server's own tensors are never handed out; without ``shared`` every send copies."""
+    from pfl.federation.messages import Message
+
+    model = {"w": torch.randn(4, 3), "b": torch.zeros(3)}
+    shared: dict = {}
+    first = Message.model(model).copy(shared=shared)
+    second = Message.model(model).copy(shared=shared)
+    sent_w = model["w"].clone()
+    model["w"].mul_(2.0)                                  # the server changes its model in place
+    third = Message.model(model).copy(shared=shared)
+    w = [m["model"].entries["w"] for m in (first, second, third)]
+    assert w[0] is w[1] and w[2] is not w[0]
+    assert torch.equal(w[0], sent_w) and torch.equal(w[2], 2.0 * sent_w)
+    assert all(t.untyped_storage().data_ptr() != model["w"].untyped_storage().data_ptr() for t in w)
+    assert first["model"].entries["b"] is third["model"].entries["b"]   # b did not change
+    apart = [Message.model(model).copy()["model"].entries["w"] for _ in range(2)]
+    assert apart[0] is not apart[1]
+
+
+def test_packed_messages_keep_bits_dtypes_views_and_aliasing():
+    """What crosses between the pool's processes arrives as it left: every dtype's bits (a -0.0, a
+    NaN's payload), shapes and strides, two views of one storage as two views of one new storage, a
+    tensor named twice as one tensor, a Parameter and a tensor with its graph the default way; the
+    bytes counted are the pickle's plus each storage's once. The receiver owns its copy."""
+    from pfl.federation.worker_side import dumps, loads
+
+    base = torch.arange(24, dtype=torch.float32)
+    base[0] = -0.0
+    nan = torch.tensor([float("nan")]).view(torch.int32).add_(5).view(torch.float32)  # a NaN with its own payload
+    values = {"row": base.view(4, 6)[1], "col": base.view(4, 6)[:, 2], "t": base.view(4, 6).t(),
+              "bf16": torch.randn(7).to(torch.bfloat16), "flags": torch.tensor([True, False, True]),
+              "ints": torch.tensor([-(2 ** 62), 3]), "cplx": torch.randn(3, dtype=torch.complex64),
+              "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 5), "nan": nan, "half": torch.randn(5).half()}
+    param = torch.nn.Parameter(torch.randn(3))
+    graph = torch.randn(3, requires_grad=True)
+    obj = {"values": values, "again": values["row"], "param": param, "graph": graph, "text": "x", "n": 3}
+    packed = dumps(obj)
+    # base's storage crosses once although three views name it; a Parameter's data as a tensor
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in [*values.values(), param]}
+    assert sum(b.nbytes for b in packed.buffers) == sum(storages.values())
+    assert packed.nbytes == len(packed.header) + sum(storages.values())
+    got = loads(packed)
+    for name, t in values.items():
+        g = got["values"][name]
+        assert g.dtype == t.dtype and g.shape == t.shape and g.stride() == t.stride(), name
+        assert not t.numel() or g.untyped_storage().data_ptr() != t.untyped_storage().data_ptr(), name  # its own
+        assert bytes(g.untyped_storage()) == bytes(t.untyped_storage()), name           # every byte
+    views = [got["values"][k] for k in ("row", "col", "t")]
+    assert len({v.untyped_storage().data_ptr() for v in views}) == 1
+    views[0][0] = 100.0                                   # still views of one storage
+    assert got["values"]["t"][0, 1] == 100.0 and got["values"]["col"][1] == 8.0
+    assert got["again"] is got["values"]["row"]
+    assert isinstance(got["param"], torch.nn.Parameter) and torch.equal(got["param"], param)
+    assert got["graph"].requires_grad and torch.equal(got["graph"], graph)
+    assert (got["text"], got["n"]) == ("x", 3)
+    assert torch.signbit(loads(dumps(base))[0]).item()   # -0.0 stays -0.0
+
+
 def test_a_calls_equal_downlinks_cross_once_and_each_client_gets_its_own_copy():
     """share_equal → torch.save → own_copies: two clients sent the same model cost one model's bytes
     (plus the message's bookkeeping), not two; a -0.0 where the other has 0.0 (equal values, other
@@ -195,11 +256,11 @@ def test_a_calls_equal_downlinks_cross_once_and_each_client_gets_its_own_copy():
 
     w = torch.randn(256, 64)
     down = lambda t: Message({"model": Model({"w": t.clone(), "b": torch.zeros(64)})})  # noqa: E731
-    one = len(dumps([down(w)]))
-    two_equal = len(dumps(share_equal([down(w), down(w), None])))
+    one = dumps([down(w)]).nbytes
+    two_equal = dumps(share_equal([down(w), down(w), None])).nbytes
     signed, w0 = w.clone(), w.clone()
     w0[0, 0], signed[0, 0] = 0.0, -0.0
-    two_apart = len(dumps(share_equal([down(w0), down(signed)])))
+    two_apart = dumps(share_equal([down(w0), down(signed)])).nbytes
     assert two_equal < one + 4096 < 2 * one - 4096 < two_apart
     got = own_copies(loads(dumps(share_equal([down(w), down(w), down(w)]))))
     ptrs = {m["model"].entries[k].untyped_storage().data_ptr() for m in got for k in ("w", "b")}
@@ -207,6 +268,24 @@ def test_a_calls_equal_downlinks_cross_once_and_each_client_gets_its_own_copy():
     assert all(torch.equal(m.tensors("model")["w"], w) for m in got)
     got[0]["model"].entries["w"].add_(1.0)   # a client training in place on its downlink
     assert torch.equal(got[1].tensors("model")["w"], w)
+
+
+@pytest.mark.parametrize("method", ["fedavg", "ditto"])
+def test_with_workers_the_run_process_builds_no_client_data_it_does_not_use(local_workers, method):
+    """One process builds every client's data at the start (the memory store's plan); with workers
+    the run's process builds only the client its model check samples: the workers build the data of
+    the clients they train, and the method's first states (Ditto's personal models) do not need it."""
+    from pfl.data.federated import OnDemandClients
+
+    alone = simulator_for(small_config(method__name=method, data__num_clients=20))(
+        small_config(method__name=method, data__num_clients=20))
+    assert not isinstance(alone.data.clients, OnDemandClients)   # materialized: all 20 built
+    cfg = small_config(method__name=method, data__num_clients=20, federation__workers=2)
+    sim = simulator_for(cfg)(cfg)
+    run_rounds(sim)
+    assert isinstance(sim.data.clients, OnDemandClients) and sim.data.clients.built == 1
+    same(encode(sim.model_state()), encode(finished(small_config(method__name=method,
+                                                                 data__num_clients=20)).model_state()))
 
 
 def test_a_side_without_a_name_runs_in_the_run_process(local_workers):

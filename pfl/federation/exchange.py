@@ -78,14 +78,16 @@ class Exchange:
             if self.prefetch is not None:
                 self.prefetch(clients[start:start + step])
             for part in self.runner.parts(clients[start:start + step]):
-                downs = {cid: self.send(phase, cid, server_side(cid)) for cid in part}
+                shared = {} if getattr(self.runner, "ships", lambda side: False)(client_side) else None
+                downs = {cid: self.send(phase, cid, server_side(cid), shared) for cid in part}
                 out.update(self.complete(phase, downs, client_side, receive))
         return out
 
-    def send(self, phase: Phase, cid: int, msg: Message | None) -> Message | None:
+    def send(self, phase: Phase, cid: int, msg: Message | None, shared: dict | None = None) -> Message | None:
         """The first half: ``msg`` delivered to client ``cid`` (the asynchronous driver sends a
-        device its message when it dispatches it, and completes the trip when the device is done)."""
-        return self.wire.send_down(phase, cid, msg)
+        device its message when it dispatches it, and completes the trip when the device is done);
+        ``shared``: see :meth:`Wire.send_down`."""
+        return self.wire.send_down(phase, cid, msg, shared)
 
     def complete(self, phase: Phase, downs: Mapping[int, Message | None], client_side: ClientSide,
                  receive: Callable[[Arrival], None] | None = None) -> dict[int, Arrival]:
@@ -95,12 +97,13 @@ class Exchange:
         sent = {cid: self.wire.sent(phase, cid, downs[cid]) for cid in downs}
         states = {cid: self.store.load(cid) for cid in downs}
         # a worker pool (pfl.federation.workers) runs the part's client sides in its processes and
-        # hands back (reply, local, new state); None: this side runs here
+        # hands back, per client, functions that unpack (reply, local) and the new state when called:
+        # this process then holds one reply at a time; None: this side runs here
         ship = getattr(self.runner, "ship", None)
         shipped = ship(phase, downs, states, client_side) if ship is not None else None
         if shipped is not None:
-            results = {cid: shipped[cid][:2] for cid in downs}
-            after = {cid: shipped[cid][2] for cid in downs}
+            reply_of = lambda cid: shipped[cid][0]()  # noqa: E731
+            state_of = lambda cid: shipped[cid][1]()  # noqa: E731
         else:
             clients: dict[int, ClientHandle] = {}
 
@@ -111,12 +114,13 @@ class Exchange:
                 return run
 
             results = self.runner.run({cid: job(cid) for cid in downs})
-            after = {cid: clients[cid].state for cid in downs}
+            reply_of = results.__getitem__
+            state_of = lambda cid: clients[cid].state  # noqa: E731
         for cid in downs:
-            self.store.save(cid, after[cid])
+            self.store.save(cid, state_of(cid))
         out: dict[int, Arrival] = {}
         for cid in downs:
-            reply, local = results[cid]
+            reply, local = reply_of(cid)
             arrival = Arrival(cid, self.wire.send_up(phase, cid, reply, sent[cid]), local)
             if receive is None:
                 out[cid] = arrival

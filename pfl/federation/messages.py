@@ -129,16 +129,25 @@ def dense(entry: Entry) -> torch.Tensor:
     return entry if isinstance(entry, torch.Tensor) else entry.dense()
 
 
-def copy_entry(entry: Entry, kept: Collection[int] | None = None) -> Entry:
+def copy_entry(entry: Entry, kept: Collection[int] | None = None, shared: dict | None = None) -> Entry:
     """The receiver's own copy of ``entry``. ``kept``: the storages (``untyped_storage().data_ptr()``)
     of every tensor the sender still holds; a tensor its producer handed over
     (:func:`pfl.training.handed_over`, e.g. a freshly trained model) whose storage is not among them
-    is held by nobody else and passes as it is (the copy would protect nothing), no longer marked."""
+    is held by nobody else and passes as it is (the copy would protect nothing), no longer marked.
+    ``shared``: receivers that will not edit what they get (a worker pool packs it, each client then
+    gets its own) share one copy of a tensor the sender has not changed since (same object, same
+    version counter: every in-place operation bumps it), kept in this dict."""
     if not isinstance(entry, torch.Tensor):
         return entry.copy()
     if kept is not None and entry.__dict__.pop(HANDED_OVER, False) and entry.untyped_storage().data_ptr() not in kept:
         return entry
-    return entry.detach().clone()
+    if shared is None:
+        return entry.detach().clone()
+    source, version, copy = shared.get(id(entry), (None, -1, None))
+    if source is not entry or version != entry._version:
+        copy = entry.detach().clone()
+        shared[id(entry)] = (entry, entry._version, copy)
+    return copy
 
 
 # ---- parts -------------------------------------------------------------------------------------
@@ -271,10 +280,10 @@ class Message(Mapping[str, Part]):
                 out[k] = t
         return out
 
-    def copy(self, kept: Collection[int] | None = None) -> "Message":
+    def copy(self, kept: Collection[int] | None = None, shared: dict | None = None) -> "Message":
         """What the receiver gets: every tensor copied (but handed-over ones the sender did not keep,
-        ``kept``: see :func:`copy_entry`), ``info`` a new dict."""
-        return Message({name: p.replace({k: copy_entry(e, kept) for k, e in p.entries.items()})
+        ``kept``, and copies receivers share, ``shared``: see :func:`copy_entry`), ``info`` a new dict."""
+        return Message({name: p.replace({k: copy_entry(e, kept, shared) for k, e in p.entries.items()})
                         for name, p in self.parts.items()}, dict(self.info))
 
     def replace(self, parts: Mapping[str, Part]) -> "Message":

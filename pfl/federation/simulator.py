@@ -124,9 +124,10 @@ class Simulator(ClientSides):
         self.plan = plan_store(fed, self.num_clients, self.ctx.num_members, state_estimate(first, model),
                                self.data.client_nbytes())
         if self.plan.kind == "memory":
-            start = time.perf_counter()
-            self.data = self.data.materialized()  # every client's data, built once
-            self.data_load_s += time.perf_counter() - start
+            if fed.workers <= 1:  # with workers they build their clients' data; here only what is asked for
+                start = time.perf_counter()
+                self.data = self.data.materialized()  # every client's data, built once
+                self.data_load_s += time.perf_counter() - start
             return memory_store(self.num_clients, self._new_client_state, fed.client_state_device, self.device,
                                 model, first)
         self.data.keep_at_most(self.plan.data_capacity)
@@ -171,7 +172,9 @@ class Simulator(ClientSides):
         return ClientHandle(cid, self.data.clients[cid], state, self.ctx, self.client_role.client_model(cid), compute)
 
     def _new_client_state(self, cid: int, where: torch.device) -> dict:
-        handle = self._handle(cid, {})
+        # the client's data only if the method's first state reads it: a run with workers keeps
+        # none here it does not need
+        handle = ClientHandle(cid, lambda: self.data.clients[cid], {}, self.ctx, self.client_role.client_model(cid))
         self.client_role.init_client(handle)
         return to_device(handle.state, where)
 

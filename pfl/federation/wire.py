@@ -317,10 +317,12 @@ class Wire:
         return msg
 
     # ---- the two ends of one trip --------------------------------------------------------------
-    def send_down(self, phase: Phase, cid: int, msg: Message | None) -> Message | None:
-        """Server → client ``cid``: a copy, the sender's stages, then the wire."""
+    def send_down(self, phase: Phase, cid: int, msg: Message | None, shared: dict | None = None) -> Message | None:
+        """Server → client ``cid``: a copy, the sender's stages, then the wire. ``shared``: the
+        clients of a part a worker pool packs share unchanged copies (:func:`.messages.copy_entry`)
+        when no stage sees them (a stage may edit the message it is given)."""
         if msg is not None:
-            msg = self.stages.send_down(phase, cid, msg.copy())
+            msg = self.stages.send_down(phase, cid, msg.copy(shared=None if self.stages.stages else shared))
         return self.deliver(msg, phase.down)
 
     def client_side(self, phase: Phase, client: "ClientHandle", down: Message | None,

@@ -12,18 +12,25 @@ client's reply (through its side of the wire), what the simulator observes (an e
 its new state. Nothing stays here between calls but the data and the built objects, so any worker
 can take any client and a run may resume with another number of workers.
 
-Both directions are one ``torch.save`` byte string (:func:`dumps`): tensors keep their dtypes,
-values and aliasing (a state that names one tensor twice gets it back once), and its length is what
-crosses between the processes (``workers/sent_bytes``, ``workers/received_bytes``). A downlink
-tensor equal to another client's of the same call crosses once (:func:`share_equal`).
+Both directions are a :class:`Packed` message (:func:`dumps`): a pickle whose tensors' storages
+travel beside it as raw byte buffers (pickle protocol 5's out-of-band buffers), so Ray writes each
+storage once into its object store and the reader copies it once out of it; no ``torch.save`` zip,
+no byte string copied on the way. Tensors keep their dtypes, bits, shapes, strides and aliasing (two
+views of one storage arrive as views of one storage, a tensor named twice arrives once); the
+header's length plus the buffers' is what crosses between the processes (``workers/sent_bytes``,
+``workers/received_bytes``). A downlink tensor equal to another client's of the same call crosses
+once (:func:`share_equal`).
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import os
-from typing import Any
+import pickle
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from ..data import load_federated
@@ -44,15 +51,78 @@ from .wire import Wire, build_stages
 WORKER_ENV = "PFL_WORKER"
 
 
-def dumps(obj: Any) -> bytes:
+class Packed(NamedTuple):
+    """A message between the pool's processes: the pickle and its storages' bytes."""
+    header: bytes
+    buffers: list
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.header) + sum(b.nbytes for b in self.buffers)
+
+
+class _Storage:
+    """A tensor storage on its way: pickled once however many tensors view it."""
+
+    def __init__(self, data: np.ndarray, device: str):
+        self.data, self.device = data, device
+
+    def __reduce_ex__(self, protocol):
+        return _storage, (pickle.PickleBuffer(self.data), self.device)
+
+
+class _Pickler(pickle.Pickler):
+    def __init__(self, file, buffers: list):
+        super().__init__(file, protocol=5, buffer_callback=lambda b: buffers.append(np.frombuffer(b.raw(), np.uint8)))
+        self.storages: dict[tuple, _Storage] = {}
+
+    def reducer_override(self, obj):
+        # a plain tensor: its storage as raw bytes (once) and where in it the tensor lies; anything
+        # else (a Parameter, a tensor that needs its autograd graph, sparse) the default way
+        if type(obj) is not torch.Tensor or obj.requires_grad or obj.layout != torch.strided or obj.is_quantized:
+            return NotImplemented
+        storage = obj.untyped_storage()
+        key = (storage.data_ptr(), str(storage.device), storage.nbytes())
+        held = self.storages.get(key)
+        if held is None:
+            raw = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage).cpu()
+            held = self.storages[key] = _Storage(raw.numpy(), str(storage.device))
+        return _view, (held, obj.dtype, obj.storage_offset(), tuple(obj.shape), obj.stride())
+
+
+def _storage(buf, device: str, to: torch.device | None = None) -> torch.Tensor:
+    out = torch.empty(buf.nbytes if hasattr(buf, "nbytes") else len(buf), dtype=torch.uint8)
+    out.numpy()[:] = np.frombuffer(buf, np.uint8)   # the reader's own copy (Ray's buffers are read-only)
+    return out.to(to if to is not None else device)
+
+
+def _view(storage: torch.Tensor, dtype: torch.dtype, offset: int, shape: tuple, stride: tuple) -> torch.Tensor:
+    return torch.empty(0, dtype=dtype, device=storage.device).set_(storage.untyped_storage(), offset, shape, stride)
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file, buffers: list, device: torch.device | str | None):
+        super().__init__(file, buffers=buffers)
+        self.to = None if device is None else torch.device(device)
+
+    def find_class(self, module, name):
+        if module == __name__ and name == "_storage":
+            return functools.partial(_storage, to=self.to)
+        return super().find_class(module, name)
+
+
+def dumps(obj: Any) -> Packed:
+    buffers: list = []
     buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
+    _Pickler(buf, buffers).dump(obj)
+    return Packed(buf.getvalue(), buffers)
 
 
-def loads(data: bytes, device: torch.device | str = "cpu") -> Any:
-    # the pool's own messages between its processes (never a file a user hands over)
-    return torch.load(io.BytesIO(data), map_location=device, weights_only=False)
+def loads(packed: Packed, device: torch.device | str | None = None) -> Any:
+    """``packed`` with every tensor on ``device`` (None: where it was sent from). The pool's own
+    messages between its processes, never a file a user hands over."""
+    header, buffers = packed
+    return _Unpickler(io.BytesIO(header), list(buffers), device).load()
 
 
 def _node() -> str:
@@ -66,7 +136,12 @@ def _node() -> str:
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+    # the widest integer view the byte count allows: equal views ⇔ equal bits, and fewer elements
+    raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    for dtype in (torch.int64, torch.int32):
+        if raw.numel() % dtype.itemsize == 0:
+            return raw.view(dtype)
+    return raw
 
 
 def _map_tensors(downs: list[Message | None], fn) -> list[Message | None]:
@@ -81,7 +156,7 @@ def _map_tensors(downs: list[Message | None], fn) -> list[Message | None]:
 
 def share_equal(downs: list[Message | None]) -> list[Message | None]:
     """The downlinks of one call with every plain tensor that equals, bit for bit, the same entry of
-    an earlier client's downlink replaced by that tensor: ``torch.save`` writes a storage once, so
+    an earlier client's downlink replaced by that tensor: :func:`dumps` packs a storage once, so
     the global model a round sends to every client crosses once a call instead of once a client
     (the worker gives each client its own copy again: :func:`own_copies`)."""
     seen: dict[tuple, torch.Tensor] = {}
@@ -146,7 +221,7 @@ class WorkerRun(ClientSides):
     def ready(self) -> dict:
         return {"device": self.device.type, "data": data_signature(self.data), "pid": os.getpid(), "node": _node()}
 
-    def run(self, payload: bytes) -> bytes:
+    def run(self, payload: Packed) -> Packed:
         call = loads(payload, self.device)
         self.round = call["round"]
         if call["hparams"] != to_dict(self.client_role.hp):  # plain data: composed methods' classes are made at run time
@@ -168,7 +243,8 @@ class WorkerRun(ClientSides):
             return work
 
         results = self.runner.run({cid: job(cid, down, state) for cid, down, state in jobs})
-        return dumps({"results": [(cid, *results[cid], handles[cid].state) for cid, _, _ in jobs],
+        # each client's answer and state packed apart: the run's process unpacks one at a time
+        return dumps({"results": [(cid, dumps(results[cid]), dumps(handles[cid].state)) for cid, _, _ in jobs],
                       "sequential": sorted(self.runner.take_sequential()),
                       "tallies": self.wire.stages.take_tallies()})
 
@@ -176,15 +252,15 @@ class WorkerRun(ClientSides):
 class WorkerActor:
     """The Ray actor around a :class:`WorkerRun` (``ray.remote`` is applied where the pool starts)."""
 
-    def __init__(self, init: bytes, slot: int):
+    def __init__(self, init: Packed, slot: int):
         os.environ[WORKER_ENV] = str(slot)
         self.worker = WorkerRun(**loads(init))
 
     def ready(self) -> dict:
         return self.worker.ready()
 
-    def run(self, payload: bytes) -> bytes:
+    def run(self, payload: Packed) -> Packed:
         return self.worker.run(payload)
 
 
-__all__ = ["WORKER_ENV", "WorkerActor", "WorkerRun", "data_signature", "dumps", "loads", "own_copies", "share_equal"]
+__all__ = ["WORKER_ENV", "Packed", "WorkerActor", "WorkerRun", "data_signature", "dumps", "loads", "own_copies", "share_equal"]

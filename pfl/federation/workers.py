@@ -32,12 +32,13 @@ cannot see, an error building the run) stops the run with a ConfigError naming
 instance started here (:func:`pfl.tune.ray_session.init_ray`, the files a run reads shipped by
 :func:`pfl.tune.runtime_env.worker_runtime_env`); inside a process that already runs Ray (a sweep's
 trial) the actors join that session. ``PFL_WORKER_BACKEND=local`` runs the workers' code in this
-process — the same objects built apart and the same byte strings, without Ray: the quick tests.
+process — the same objects built apart and the same packed messages, without Ray: the quick tests.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import math
 import os
@@ -47,7 +48,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from ..schema import ConfigError, to_dict
 from .sides import spec_of
 from .wire import ClientSide, Phase
-from .worker_side import WorkerActor, WorkerRun, data_signature, dumps, loads, share_equal
+from .worker_side import Packed, WorkerActor, WorkerRun, data_signature, dumps, loads, share_equal
 
 if TYPE_CHECKING:
     from .messages import Message
@@ -69,16 +70,16 @@ class WorkerLost(RuntimeError):
 
 
 class _LocalWorker:
-    def __init__(self, init: bytes, slot: int):
+    def __init__(self, init: Packed, slot: int):
         self.run = WorkerRun(**loads(init))
 
     def ready(self) -> dict:
         return self.run.ready()
 
-    def submit(self, payload: bytes) -> bytes:
+    def submit(self, payload: Packed) -> Packed:
         return payload
 
-    def get(self, ref: bytes) -> bytes:
+    def get(self, ref: Packed) -> Packed:
         return self.run.run(ref)
 
     def kill(self) -> None:
@@ -130,10 +131,10 @@ class _RayWorker:
         except rex.RayError as err:
             raise ConfigError(RESOURCES, f"a worker could not start: {_reason(err)}") from None
 
-    def submit(self, payload: bytes):
+    def submit(self, payload: Packed):
         return self.actor.run.remote(payload)
 
-    def get(self, ref) -> bytes:
+    def get(self, ref) -> Packed:
         import ray
         from ray import exceptions as rex
 
@@ -181,11 +182,11 @@ class WorkerPool:
     is the in-process runner for a side without a name; ``own_stages``: the run was given stages
     the config does not make, which a worker could not build (everything then runs here)."""
 
-    def __init__(self, sim, local, own_stages: bool = False):
+    def __init__(self, sim, local, own_stages: bool = False, n: int | None = None):
         self.sim = sim
         self.local = local
         fed = sim.cfg.federation
-        self.n = fed.workers
+        self.n = n or fed.workers  # n: a pool of another size (bench_workers' pool of one)
         self.resources = fed.worker_resources
         self.own_stages = own_stages
         capacity = sim.plan.data_capacity if sim.plan.kind == "disk" else None
@@ -227,10 +228,16 @@ class WorkerPool:
         self.sent = self.received = self.restarts = 0
         return out
 
+    def ships(self, side: ClientSide) -> bool:
+        """Whether the workers compute this side (its clients' downlinks are packed, never edited here)."""
+        return spec_of(side) is not None and not self.own_stages
+
     def ship(self, phase: Phase, downs: Mapping[int, "Message | None"], states: Mapping[int, dict],
              side: ClientSide) -> dict[int, tuple] | None:
-        """Every client of ``downs`` computed by the workers: ``{cid: (reply, local, state)}``; None
-        when this side cannot go to a worker (it has no name)."""
+        """Every client of ``downs`` computed by the workers: ``{cid: (answer, state)}``, functions
+        that unpack the client's (reply, local) and its new state when called (the run's process then
+        holds one reply at a time, not a part's); None when this side cannot go to a worker (it has
+        no name)."""
         spec = spec_of(side)
         if spec is None or self.own_stages or not downs:
             return None
@@ -243,8 +250,9 @@ class WorkerPool:
         got: dict[int, tuple] = {}
         for slot, payload in calls.items():
             answer = loads(self._result(slot, pending[slot], payload), self.sim.device)
-            for cid, reply, local, state in answer["results"]:
-                got[cid] = (reply, local, state)
+            for cid, reply, state in answer["results"]:
+                got[cid] = (functools.partial(loads, reply, self.sim.device),
+                            functools.partial(loads, state, self.sim.device))
             self.sequential.update(answer["sequential"])
             self.sim.wire.stages.add_tallies(answer["tallies"])
         return {cid: got[cid] for cid in downs}
@@ -302,15 +310,15 @@ class WorkerPool:
             raise ConfigError("federation.workers", "the workers built other client data than the run's (a run "
                                                     "given data not made from its config); allowed here: 1")
 
-    def _submit(self, slot: int, payload: bytes):
-        self.sent += len(payload)
+    def _submit(self, slot: int, payload: Packed):
+        self.sent += payload.nbytes
         return self.workers[slot].submit(payload)
 
-    def _result(self, slot: int, ref, payload: bytes) -> bytes:
+    def _result(self, slot: int, ref, payload: Packed) -> Packed:
         for attempt in range(MAX_RESTARTS + 1):
             try:
                 data = self.workers[slot].get(ref)
-                self.received += len(data)
+                self.received += data.nbytes
                 return data
             except WorkerLost as err:
                 if attempt == MAX_RESTARTS:
@@ -365,10 +373,10 @@ def _kill_all(workers: list) -> None:
             workers[slot] = None
 
 
-def start_pool(sim, local, own_stages: bool = False) -> WorkerPool:
+def start_pool(sim, local, own_stages: bool = False, n: int | None = None) -> WorkerPool:
     """The run's pool, its workers started (so that one that cannot start stops the run before it
-    begins)."""
-    pool = WorkerPool(sim, local, own_stages)
+    begins); ``n`` workers instead of ``federation.workers``."""
+    pool = WorkerPool(sim, local, own_stages, n)
     if not own_stages:
         pool.start()
     return pool

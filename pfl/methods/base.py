@@ -63,14 +63,20 @@ class ClientHandle:
     the compute object its training and evaluation requests go to (:mod:`pfl.federation.cohort`:
     computed at once, or batched with the other clients of a vectorized cohort)."""
 
-    def __init__(self, cid: int, data: "ClientData", state: dict, ctx: "RunContext", model: torch.nn.Module,
-                 compute: Compute = DIRECT):
+    def __init__(self, cid: int, data: "ClientData | Callable[[], ClientData]", state: dict, ctx: "RunContext",
+                 model: torch.nn.Module, compute: Compute = DIRECT):
         self.cid = cid
-        self.data = data
+        self._data = data   # or a function that builds it, called when a step first reads it
         self.state = state
         self.ctx = ctx
         self.model = model
         self.compute = compute
+
+    @property
+    def data(self) -> "ClientData":
+        if callable(self._data):
+            self._data = self._data()
+        return self._data
 
     @property
     def n_train(self) -> int:
