@@ -87,3 +87,10 @@ def test_composed_names_that_do_not_resolve_name_the_field_and_the_allowed_value
     with pytest.raises(ConfigError) as err:      # the first '+' splits: base fedavg, plug-in 'probe+ala'
         get_method("fedavg+probe+ala")
     assert "unknown plugin 'probe+ala'" in str(err.value)
+
+
+def test_a_composed_name_without_any_plugin_registered_says_none_are(restored):
+    PLUGINS.restore({})
+    with pytest.raises(ConfigError) as err:
+        get_method("fedavg+probe_unregistered")   # a name no test composed (composed names are kept)
+    assert str(err.value).endswith("unknown plugin 'probe_unregistered' in 'fedavg+probe_unregistered'; allowed: (none)")
