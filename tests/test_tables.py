@@ -2,6 +2,7 @@
 the numbers of in-process runs, MLflow's parent and children, an interrupted table resumed."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -202,14 +203,18 @@ def test_a_table_interrupted_after_half_its_cells_resumes_only_the_other_half(ra
     os.killpg(proc.pid, signal.SIGINT)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, out[-3000:]
-    assert "resume with:" in out and "interrupted:" in out
+    assert "resume with:" in out
+    # the cells Tune saved as done (what a resume skips), as the interrupted table reports them; a
+    # cell whose MLflow run closed a moment before the interrupt reached Tune's state may be among
+    # the rest, continued from its checkpoint in its own run
+    done = int(re.search(r"interrupted: (\d) of 4 cells finished", out).group(1))
     before = children()
     finished = {c.info.run_id for c in before if c.info.status == "FINISHED"}
-    assert 2 <= len(finished) < 4
+    assert 2 <= len(finished) and 1 <= done <= len(finished) and done < 4
     code, out = ray_cluster.run(_table_args(path, tmp_path, "--resume"), env)
     assert code == 0, out[-4000:]
     started = [ln for ln in out.splitlines() if ln.rstrip().endswith(": started")]
-    assert len(started) == 4 - len(finished), out                      # only the other half ran
+    assert len(started) == 4 - done, out                               # only the other half ran
     after = children()
     assert len(after) == 4 and finished <= {c.info.run_id for c in after}
     assert all(c.info.status == "FINISHED" for c in after)

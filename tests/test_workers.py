@@ -245,6 +245,18 @@ def test_packed_messages_keep_bits_dtypes_views_and_aliasing():
     assert got["graph"].requires_grad and torch.equal(got["graph"], graph)
     assert (got["text"], got["n"]) == ("x", 3)
     assert torch.signbit(loads(dumps(base))[0]).item()   # -0.0 stays -0.0
+    lazy = torch.randn(3, dtype=torch.complex64).conj()   # a conjugate view: its storage holds the other values
+    assert lazy.is_conj() and torch.equal(loads(dumps(lazy)), lazy)
+
+
+def test_share_equal_finds_a_view_at_an_unaligned_offset_equal_to_its_copy():
+    from pfl.federation.messages import Message, Model
+    from pfl.federation.worker_side import share_equal
+
+    flat = torch.randn(11)
+    view = flat[1:9]                                      # offset 4 bytes: not a multiple of 8
+    got = share_equal([Message({"model": Model({"w": view})}), Message({"model": Model({"w": view.clone()})})])
+    assert got[1]["model"].entries["w"] is view
 
 
 def test_a_calls_equal_downlinks_cross_once_and_each_client_gets_its_own_copy():

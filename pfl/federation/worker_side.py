@@ -79,7 +79,8 @@ class _Pickler(pickle.Pickler):
     def reducer_override(self, obj):
         # a plain tensor: its storage as raw bytes (once) and where in it the tensor lies; anything
         # else (a Parameter, a tensor that needs its autograd graph, sparse) the default way
-        if type(obj) is not torch.Tensor or obj.requires_grad or obj.layout != torch.strided or obj.is_quantized:
+        if (type(obj) is not torch.Tensor or obj.requires_grad or obj.layout != torch.strided or obj.is_quantized
+                or obj.is_nested or obj.is_conj() or obj.is_neg()):  # a lazy conjugate: its bits are not its values
             return NotImplemented
         storage = obj.untyped_storage()
         key = (storage.data_ptr(), str(storage.device), storage.nbytes())
@@ -140,6 +141,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
     for dtype in (torch.int64, torch.int32):
         if raw.numel() % dtype.itemsize == 0:
+            if raw.storage_offset() % dtype.itemsize:  # a view at an unaligned offset: an aligned copy
+                raw = raw.clone()
             return raw.view(dtype)
     return raw
 
