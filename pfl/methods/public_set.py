@@ -84,7 +84,7 @@ def client_pool_rows(ctx: "RunContext", src) -> np.ndarray:
     if part is None:
         part = make_partition(data_cfg, src, ctx.seed)
     held = [np.asarray(idx, dtype=np.int64) for split in (part.train, part.val, part.test) for idx in split]
-    return np.unique(np.concatenate(held)) if held else np.zeros(0, dtype=np.int64)
+    return np.unique(np.concatenate(held))  # three splits of at least one client: never empty
 
 
 def build_public_set(ctx: "RunContext", source: str, size: int) -> PublicSet:
