@@ -292,3 +292,23 @@ def test_an_architecture_that_does_not_fit_the_data_is_refused_naming_the_entry_
         Simulator(cfg)
     assert err.value.field == "method.architectures[1]"
     assert "cnn_fpfc" in err.value.message and "image" in err.value.message and "(60,)" in err.value.message
+
+
+@pytest.mark.parametrize("per_round", [0, 5])
+def test_the_servers_tensors_and_the_rounds_rows_live_on_the_runs_device(per_round):
+    """The method's server state and each round's public rows are made on the run's device (a
+    ``meta`` device here: a tensor made without it lands on the CPU), with their shapes and dtypes."""
+    import dataclasses
+
+    sim = _sim(**{"method.public_per_round": per_round})
+    method = sim.method
+    method.ctx = dataclasses.replace(method.ctx, device=torch.device("meta"))
+    method.setup()
+    m, n, c = method.ctx.num_clients, method.n_public, method.ctx.meta.num_classes
+    made = {"logits": ((m, n, c), torch.float32), "known": ((m,), torch.bool),
+            "assign": ((m,), torch.long), "centroids": ((0, n, c), torch.float32)}
+    for name, (shape, dtype) in made.items():
+        t = getattr(method, name)
+        assert t.device.type == "meta" and tuple(t.shape) == shape and t.dtype == dtype, name
+    rows = method.rows(1)
+    assert rows.device.type == "meta" and len(rows) == (per_round or n)
