@@ -1,7 +1,8 @@
 """Benchmark: one run's clients on N worker processes (``federation.workers``), against one process.
 
     python3 pipelines/bench_workers.py [--methods fedavg ditto] [--workers 1 2] [--clients 1000]
-                                       [--per-round 50] [--rounds 4] [--no-track] [--flower PYTHON]
+                                       [--per-round 50] [--rounds 4] [--repeat 1] [--no-pool-of-one]
+                                       [--no-track] [--flower PYTHON]
 
 FedAvg and Ditto on Fashion-MNIST Dir(0.1) with the CNN (``cnn_fedavg``), ``--clients`` clients,
 ``--per-round`` a round, one local epoch; each (method, workers) in a fresh process, and a pool of one
@@ -180,8 +181,7 @@ def main(argv: list[str]) -> int:
         spread = f" ({r['range'][0]:.2f}–{r['range'][1]:.2f})" if args.repeat > 1 else ""
         lines.append(f"| {r['framework']} | {r['method']} | {r['workers']} | {r['s_per_round']:.2f}{spread} | {speed} | "
                      f"{r['all_cpu_s']:.2f} | {r['driver_cpu_s']:.2f} | {r['peak_mib']:,.0f} | {r['pss_mib']:,.0f} | "
-                     f"{_mb(r, 'sent_mb')} | "
-                     f"{_mb(r, 'received_mb')} | {same} | {100 * r['test_acc']:.2f} |")
+                     f"{_mb(r, 'sent_mb')} | {_mb(r, 'received_mb')} | {same} | {100 * r['test_acc']:.2f} |")
     text = "\n".join(lines)
     print("\n" + text)
 

@@ -169,12 +169,13 @@ class Simulator(ClientSides):
         return self.store.states()
 
     def _handle(self, cid: int, state: dict, compute: Compute = DIRECT) -> ClientHandle:
-        return ClientHandle(cid, self.data.clients[cid], state, self.ctx, self.client_role.client_model(cid), compute)
+        # the client's data built when the step first reads it: a method's first states rarely do,
+        # and a run with workers keeps none here it does not need
+        return ClientHandle(cid, lambda: self.data.clients[cid], state, self.ctx, self.client_role.client_model(cid),
+                            compute)
 
     def _new_client_state(self, cid: int, where: torch.device) -> dict:
-        # the client's data only if the method's first state reads it: a run with workers keeps
-        # none here it does not need
-        handle = ClientHandle(cid, lambda: self.data.clients[cid], {}, self.ctx, self.client_role.client_model(cid))
+        handle = self._handle(cid, {})
         self.client_role.init_client(handle)
         return to_device(handle.state, where)
 

@@ -92,8 +92,9 @@ class _Pickler(pickle.Pickler):
 
 
 def _storage(buf, device: str, to: torch.device | None = None) -> torch.Tensor:
-    out = torch.empty(buf.nbytes if hasattr(buf, "nbytes") else len(buf), dtype=torch.uint8)
-    out.numpy()[:] = np.frombuffer(buf, np.uint8)   # the reader's own copy (Ray's buffers are read-only)
+    data = np.frombuffer(buf, np.uint8)
+    out = torch.empty(data.size, dtype=torch.uint8)
+    out.numpy()[:] = data   # the reader's own copy (Ray's buffers are read-only)
     return out.to(to if to is not None else device)
 
 

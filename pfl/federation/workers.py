@@ -238,9 +238,9 @@ class WorkerPool:
         that unpack the client's (reply, local) and its new state when called (the run's process then
         holds one reply at a time, not a part's); None when this side cannot go to a worker (it has
         no name)."""
-        spec = spec_of(side)
-        if spec is None or self.own_stages or not downs:
+        if not downs or not self.ships(side):
             return None
+        spec = spec_of(side)
         self.start()
         common = {"phase": phase, "spec": spec, "round": self.sim.round, "hparams": to_dict(self.sim.method.hp)}
         calls = {slot: dumps({**common, "jobs": list(zip(group, share_equal([downs[c] for c in group]),
