@@ -138,20 +138,57 @@ def test_a_shape_mismatch_names_the_sources_declared_sample_shape(folders):
 
 def test_a_per_device_sources_public_rows_are_client_rows_counted_and_said(caplog):
     """fpfc_synthetic at size_scale 0.1 (its own params): every sample is some client's, so the 30
-    public rows are 30 distinct client rows, the overlap is 30, and the warning gives the pool's size
-    (counted from the clients here), names the metric and both fields to change."""
+    public rows are 30 distinct client rows, the overlap is 30, and the warning names the metric and
+    the one field that helps."""
     with caplog.at_level("WARNING"):
         sim = _ckt(**{"data.source": "fpfc_synthetic", "data.params": {"size_scale": 0.1}, "data.cache": False,
                       "data.num_clients": 6, "method.public_size": 30})
     pub = sim.method.public
     held = _client_rows(sim)
-    pool = sum(len(c.x_train) + len(c.x_val) + len(c.x_test) for c in sim.data.clients)
     assert len(pub) == len(_rows(pub.x)) == 30 and _rows(pub.x) <= held and pub.overlap == 30
     said = _public_warnings(caplog)
     assert len(said) == 1, said
-    assert said[0].startswith("public set: every sample of fpfc_synthetic belongs to a client, so the public "
-                              "rows are client data (ckt/public_overlap > 0); set data.max_samples below the "
-                              f"pool size ({pool}) or method.public_source to another source")
+    # generated client by client: no data setting frees a sample, only another source does
+    assert said[0] == ("public set: every sample of fpfc_synthetic belongs to a client, so the public rows are "
+                       "client data (ckt/public_overlap > 0); set method.public_source to another source for a "
+                       "disjoint set")
+
+
+def _writers_table(path, writers: int, rows_each: int) -> np.ndarray:
+    """A Parquet file of ``writers`` clients with 4 features; returns its feature rows in file order."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(3)
+    n = writers * rows_each
+    feats = rng.normal(size=(n, 4))
+    who = [f"w{i % writers:02d}" for i in rng.permutation(n)]
+    pq.write_table(pa.table({"client": who, "label": rng.integers(0, 3, n),
+                             **{f"f{j}": feats[:, j] for j in range(4)}}), path)
+    return feats
+
+
+def test_a_source_with_its_own_clients_gives_the_undrawn_clients_rows(tmp_path, caplog):
+    """A file of 12 writers, the run drawing 4 of them: the other 8 writers' rows hold no client's
+    data, so the public set comes from those (overlap 0, no warning); with every writer drawn there
+    is no free row, and the warning says to draw fewer of its 12 clients."""
+    path = tmp_path / "writers.parquet"
+    feats = _writers_table(path, 12, 10)
+    every = _rows(feats.astype(np.float32))  # the files source reads features as float32
+    files = {"data.source": "files", "data.params": {"path": str(path)}, "data.cache": False,
+             "method.public_size": 20}
+    with caplog.at_level("WARNING"):
+        sim = _ckt(**files, **{"data.num_clients": 4})
+    pub, held = sim.method.public, _client_rows(sim)
+    assert len(held) == 40 and held <= every  # the 4 drawn writers' 10 rows each
+    assert len(pub) == 20 and _rows(pub.x) <= every - held and pub.overlap == 0
+    assert _public_warnings(caplog) == []
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        sim = _ckt(**files, **{"data.num_clients": 12})
+    assert sim.method.public.overlap == 20 and _rows(sim.method.public.x) <= _client_rows(sim)
+    said = _public_warnings(caplog)
+    assert len(said) == 1 and "set data.num_clients below its 12 clients or method.public_source" in said[0], said
 
 
 # ---- the partition the clients really hold (cache), the run's device ---------------------------------

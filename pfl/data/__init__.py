@@ -13,11 +13,11 @@ Modules: :mod:`.sources` (registry and params), :mod:`.images` and :mod:`.idx` (
 (the containers and entry points).
 """
 
-from .federated import ClientData, FederatedData, load_federated, resolve_data_config
+from .federated import ClientData, FederatedData, held_partition, load_federated, resolve_data_config
 from .sources import SourceData, SourceSpec, list_sources, register_source, source_spec
 from . import crowd, files, hf  # noqa: E402,F401  (register data.source: crowd, files and hf)
 
 __all__ = [
-    "ClientData", "FederatedData", "SourceData", "SourceSpec", "list_sources", "load_federated",
+    "ClientData", "FederatedData", "SourceData", "SourceSpec", "held_partition", "list_sources", "load_federated",
     "register_source", "resolve_data_config", "source_spec",
 ]

@@ -396,17 +396,14 @@ def _clients_note(used: int, total: int, where: str, seed: int) -> str:
             f"{ALL_CLIENTS} = every one)")
 
 
-def load_federated(cfg: DataConfig, seed: int, device: str | torch.device = "cpu",
-                   on_demand: bool = False) -> FederatedData:
-    """The federation described by ``cfg`` under experiment ``seed``, with tensors on ``device``
-    (built when first asked for with ``on_demand``, see :class:`OnDemandClients`)."""
-    resolve_data_config(cfg)
+def held_partition(cfg: DataConfig, seed: int, say: bool = False) -> tuple[SourceData, Partition, str, bool]:
+    """What the run's clients hold: the source (with its own clients drawn by ``seed``), the partition
+    (the cache's when it has one, else made), the partition's key and whether it was made here.
+    ``say``: the source's notes are logged (once each), before the partition is made."""
     spec = source_spec(cfg.source)
-    start = time.perf_counter()
     src = spec.load(cfg.params, cfg.num_clients)
-    natural = cfg.partition.kind == "natural"
     content = src.fingerprint
-    if natural:  # said before the partition and the tensors are made, which may take a while
+    if cfg.partition.kind == "natural":
         notes = list(src.notes)
         if _own_clients(cfg, spec) and src.devices is not None:
             total = len(src.devices)
@@ -414,25 +411,31 @@ def load_federated(cfg: DataConfig, seed: int, device: str | torch.device = "cpu
             notes.append(_clients_note(len(src.devices), total, src.where or cfg.source, seed))
             if len(src.devices) < total:  # a partition of drawn clients: never one of an older pfl's first N
                 content = f"{content}|clients drawn with the seed"
-        for note in notes:
+        for note in notes if say else ():
             _say_once(note)
     key = partition_key(cfg, seed, content)
-    part = None
-    path = cache_path(key)
-    if cfg.cache:
-        part = load_partition(path, len(src.y), cfg.num_clients)
-        if part is not None:
-            log.debug("partition %s read from %s", key[:12], path)
-    fresh = part is None
-    if fresh:
-        part = make_partition(cfg, src, seed)
+    part = load_partition(cache_path(key), len(src.y), cfg.num_clients) if cfg.cache else None
+    if part is not None:
+        log.debug("partition %s read from %s", key[:12], cache_path(key))
+        return src, part, key, False
+    return src, make_partition(cfg, src, seed), key, True
+
+
+def load_federated(cfg: DataConfig, seed: int, device: str | torch.device = "cpu",
+                   on_demand: bool = False) -> FederatedData:
+    """The federation described by ``cfg`` under experiment ``seed``, with tensors on ``device``
+    (built when first asked for with ``on_demand``, see :class:`OnDemandClients`)."""
+    resolve_data_config(cfg)
+    start = time.perf_counter()
+    src, part, key, fresh = held_partition(cfg, seed, say=True)
+    natural = cfg.partition.kind == "natural"
     lazy = OnDemandClients(src, part, cfg.partition.kind, cfg.partition.num_clusters, device)
     clients = lazy if on_demand else lazy.build_all()
     if fresh and cfg.cache:  # only a federation that could be built (or, on demand, indexed) is cached
         try:
-            save_partition(path, part, len(src.y), cfg, seed)
+            save_partition(cache_path(key), part, len(src.y), cfg, seed)
         except OSError as err:  # a read-only cache directory must not stop the run
-            log.warning("could not write partition cache %s: %s", path, err)
+            log.warning("could not write partition cache %s: %s", cache_path(key), err)
     earlier = src.read_s if src.read_done < start else 0.0  # read by the config's check, before this call
     data = FederatedData(clients=clients, num_classes=src.num_classes, input_shape=tuple(src.input_shape),
                          task=src.task, source=cfg.source, true_clusters=part.clusters, partition_hash=key,

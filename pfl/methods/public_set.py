@@ -71,20 +71,23 @@ def check_public_source(name: str) -> None:
                                  f"{SAME_HELDOUT} or an image source")
 
 
-def client_pool_rows(ctx: "RunContext", src) -> np.ndarray:
-    """Sorted pool indices of every sample any client holds (train, validation, test), from the
-    run's partition (the cache when present, else recomputed with the run's seed)."""
-    from ..data.cache import cache_path, load_partition, partition_key
-    from ..data.partition import make_partition
+def client_pool_rows(ctx: "RunContext") -> np.ndarray:
+    """Sorted pool indices of every sample any of the run's clients holds (train, validation, test):
+    the partition the run's data was built from (the cache's when present, else made again with the
+    run's seed; a source's own clients drawn as the run draws them)."""
+    from ..data import held_partition
 
-    data_cfg = ctx.cfg.data
-    part = None
-    if data_cfg.cache:
-        part = load_partition(cache_path(partition_key(data_cfg, ctx.seed)), len(src.y), data_cfg.num_clients)
-    if part is None:
-        part = make_partition(data_cfg, src, ctx.seed)
+    _, part, _, _ = held_partition(ctx.cfg.data, ctx.seed)
     held = [np.asarray(idx, dtype=np.int64) for split in (part.train, part.val, part.test) for idx in split]
     return np.unique(np.concatenate(held))  # three splits of at least one client: never empty
+
+
+def _fewer_clients_hint(spec, src, data_cfg) -> str:
+    """The data setting that would leave samples to no client, if one would: fewer of a source's own
+    clients, or fewer pooled samples (a source generated client by client has none)."""
+    if src.devices is None or data_cfg.partition.kind != "natural":
+        return f"data.max_samples below the pool size ({len(src.y)}) or "
+    return "" if spec.per_client else f"data.num_clients below its {len(src.devices)} clients or "
 
 
 def build_public_set(ctx: "RunContext", source: str, size: int) -> PublicSet:
@@ -105,7 +108,7 @@ def build_public_set(ctx: "RunContext", source: str, size: int) -> PublicSet:
     pool = np.arange(len(src.y))
     held = np.zeros(0, dtype=np.int64)
     if same:
-        held = pool if src.devices is not None else client_pool_rows(ctx, src)
+        held = client_pool_rows(ctx)
         unused = np.setdiff1d(pool, held, assume_unique=True)
         if len(unused):
             pool = unused
@@ -114,8 +117,8 @@ def build_public_set(ctx: "RunContext", source: str, size: int) -> PublicSet:
                             "(method.public_size)", len(unused), name, len(unused), size)
         else:
             log.warning("public set: every sample of %s belongs to a client, so the public rows are client "
-                        "data (ckt/public_overlap > 0); set data.max_samples below the pool size (%d) or "
-                        "method.public_source to another source for a disjoint set", name, len(pool))
+                        "data (ckt/public_overlap > 0); set %smethod.public_source to another source for a "
+                        "disjoint set", name, _fewer_clients_hint(spec, src, data_cfg))
     n = min(size, len(pool))
     if n < size and not same:
         log.warning("public set: %s has only %d samples; using %d instead of %d", name, len(pool), n, size)
