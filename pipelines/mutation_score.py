@@ -40,7 +40,8 @@ EQUIVALENTS = ROOT / "pipelines" / "mutation_equivalents.txt"
 DIRECT = "direct-results.jsonl"  # the direct runner's results (direct_run)
 # pytest's unraisable/thread-exception plugins collect garbage 5 times at exit: 0.5 s of the 0.6 s a
 # mutant's run costs beyond its tests, in a child that exits anyway (the math reports no such errors)
-QUIET_PLUGINS = ("-p", "no:cacheprovider", "-p", "no:unraisableexception", "-p", "no:threadexception")
+QUIET_PLUGINS = ("-p", "no:cacheprovider", "-p", "no:unraisableexception", "-p", "no:threadexception",
+                 "--rootdir", ".")  # test ids relative to mutants/, as mutmut's stats name them, on any machine
 BATCH = 150  # mutants per `mutmut run` call: results are saved per mutant, a stopped run loses little
 
 # mutmut 3's exit codes (mutmut/stats.py); a timeout counts as not killed here (conservative)
@@ -138,7 +139,9 @@ def _clean_failures(tests: list[str], jobs: int, pytest) -> set[str]:
 
 def direct_run(names: list[str], jobs: int, deadline_s: float, root: Path = ROOT, log=sys.stdout) -> int:
     """Run mutants without mutmut's driver, which needs only pytest and mutmut's trampoline module
-    (so it runs where mutmut's command line does not, e.g. a many-core machine without libcst): the
+    (so it runs where mutmut's command line does not, e.g. a many-core machine without libcst: a copy
+    of mutmut's package and its dist-info on ``PYTHONPATH`` is enough, the trampoline imports only the
+    standard library; run it with ``--names`` on the names another machine is not running): the
     tests are collected once, then each mutant runs in a child forked from that process (nothing a
     test caches reaches a mutant), its covering tests fastest first with ``-x``, killed past
     5 × their recorded time + 20 s of CPU (a timeout, not killed). Results are appended to
@@ -165,7 +168,7 @@ def direct_run(names: list[str], jobs: int, deadline_s: float, root: Path = ROOT
         saved = os.dup(1), os.dup(2)
         os.dup2(quiet.fileno(), 1), os.dup2(quiet.fileno(), 2)
         try:
-            pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", "--continue-on-collection-errors",
+            pytest.main(["--collect-only", "-q", *QUIET_PLUGINS, "--continue-on-collection-errors",
                          *selection], plugins=[Collected()])
         finally:
             os.dup2(saved[0], 1), os.dup2(saved[1], 2)
