@@ -396,12 +396,14 @@ def _clients_note(used: int, total: int, where: str, seed: int) -> str:
             f"{ALL_CLIENTS} = every one)")
 
 
-def held_partition(cfg: DataConfig, seed: int, say: bool = False) -> tuple[SourceData, Partition, str, bool]:
+def held_partition(cfg: DataConfig, seed: int, say: bool = False,
+                   src: SourceData | None = None) -> tuple[SourceData, Partition, str, bool]:
     """What the run's clients hold: the source (with its own clients drawn by ``seed``), the partition
     (the cache's when it has one, else made), the partition's key and whether it was made here.
-    ``say``: the source's notes are logged (once each), before the partition is made."""
+    ``say``: the source's notes are logged (once each), before the partition is made; ``src``: the
+    source as ``cfg`` loads it, when the caller has it already."""
     spec = source_spec(cfg.source)
-    src = spec.load(cfg.params, cfg.num_clients)
+    src = spec.load(cfg.params, cfg.num_clients) if src is None else src
     content = src.fingerprint
     if cfg.partition.kind == "natural":
         notes = list(src.notes)

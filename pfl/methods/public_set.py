@@ -71,13 +71,14 @@ def check_public_source(name: str) -> None:
                                  f"{SAME_HELDOUT} or an image source")
 
 
-def client_pool_rows(ctx: "RunContext") -> np.ndarray:
+def client_pool_rows(ctx: "RunContext", src=None) -> np.ndarray:
     """Sorted pool indices of every sample any of the run's clients holds (train, validation, test):
     the partition the run's data was built from (the cache's when present, else made again with the
-    run's seed; a source's own clients drawn as the run draws them)."""
+    run's seed; a source's own clients drawn as the run draws them). ``src``: the run's source as
+    its config loads it, if already loaded."""
     from ..data import held_partition
 
-    _, part, _, _ = held_partition(ctx.cfg.data, ctx.seed)
+    _, part, _, _ = held_partition(ctx.cfg.data, ctx.seed, src=src)
     held = [np.asarray(idx, dtype=np.int64) for split in (part.train, part.val, part.test) for idx in split]
     return np.unique(np.concatenate(held))  # three splits of at least one client: never empty
 
@@ -108,7 +109,7 @@ def build_public_set(ctx: "RunContext", source: str, size: int) -> PublicSet:
     pool = np.arange(len(src.y))
     held = np.zeros(0, dtype=np.int64)
     if same:
-        held = client_pool_rows(ctx)
+        held = client_pool_rows(ctx, src)
         unused = np.setdiff1d(pool, held, assume_unique=True)
         if len(unused):
             pool = unused
