@@ -15,8 +15,8 @@ A round here is one communication [C]: the coin stream (public randomness) gives
 (geometric on {1, 2, …}, mean 1/p) followed by A_t averaging steps (geometric, mean 1/(1 − p)).
 A client applies the previous round's averaging (x̄^{t−1}, A_{t−1}) from the downlink, takes its B_t
 local minibatch-SGD steps (lr β), and uploads x_i; the server averages the uploads into x̄^t. An
-initial run of averaging steps is a no-op (all x_i start at x⁰) and is skipped, so round 0 has no
-downlink. Bytes: d up per client per round and d down from round 1 on. Under client sampling the
+initial run of averaging steps is a no-op (all x_i start at x⁰) and is skipped: round 0 sends x⁰
+with A = 0. Bytes: d up and d down per client per round, round 0 included. Under client sampling the
 server averages the latest x_i of every client (stale copies, N·d) and only sampled clients step.
 
 Clients are evaluated with their personal model after the round's averaging steps, x̄^t + (1 −
