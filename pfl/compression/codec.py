@@ -361,7 +361,10 @@ class Codec(Stage):
         parts: dict[str, Part] = {}
         for pname, part in msg.parts.items():
             rebase = isinstance(part, Model) and part.base is not None
-            if self.up is None and not rebase:
+            own = any(isinstance(e, Encoded) for e in part.entries.values())
+            if self.up is None and (not rebase or own):
+                # a method that encodes its own uplink (LAG) decodes it against the model it sent,
+                # which is what the server meant to send: the change lands on the right base already
                 parts[pname] = part
                 continue
             ref_name = (part.base or part.ref) if isinstance(part, Model) else None
