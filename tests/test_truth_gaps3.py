@@ -121,16 +121,20 @@ def test_a_public_set_of_exactly_the_unused_pool_warns_of_nothing(caplog):
     assert len(sim.method.public) == 1197 and "public set" not in caplog.text
 
 
-def test_a_per_device_source_says_its_public_rows_are_client_data(caplog):
+@pytest.mark.parametrize("source, hint", [
+    ("fpfc_synthetic", "set method.public_source"),                          # generated client by client
+    ("digits", "set data.max_samples below the pool size (1797) or method.public_source"),  # pooled, all used
+])
+def test_a_source_whose_every_sample_is_a_clients_says_so_and_what_helps(caplog, source, hint):
     from pfl.resolver import load
 
     with caplog.at_level("WARNING"):
         Simulator(load(None, {"method.name": "perfed_ckt", "method.architectures": ["softmax_regression"],
                               "method.public_size": 30, "model.name": "softmax_regression",
-                              "data.source": "fpfc_synthetic", "data.num_clients": 6, "federation.batch_size": 0,
+                              "data.source": source, "data.num_clients": 6, "federation.batch_size": 0,
                               "federation.local_steps": 1, "tracking.enabled": False, "data.cache": False}))
-    assert "every sample of fpfc_synthetic belongs to a client" in caplog.text
-    assert "set data.max_samples below the pool size" in caplog.text and "method.public_source" in caplog.text
+    assert f"every sample of {source} belongs to a client" in caplog.text
+    assert hint in caplog.text and ("max_samples" in hint) == ("max_samples" in caplog.text)
 
 
 @pytest.mark.parametrize("source, words", [
