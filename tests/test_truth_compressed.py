@@ -13,9 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from truth import close, config, least_squares, vec
+from truth import Recorder, close, config, least_squares, vec
 from pfl.federation.simulator import Simulator
-from pfl.federation.wire import Stage
 from pfl.schema import ConfigError
 
 LR, K = 0.2, 3
@@ -26,19 +25,6 @@ RANDK = {"name": "randk", "ratio": 0.5}
 @pytest.fixture(scope="module")
 def problem():
     return least_squares(d=4, sizes=(20, 30, 24, 27, 22), clusters=[0, 1, 2, 3, 0])
-
-
-class Recorder(Stage):
-    """The delivered training uploads, as they came off the wire (last stage: its receiver's side runs first)."""
-    key = "recorder"
-
-    def __init__(self):
-        self.up: dict[tuple[int, int], object] = {}
-
-    def receive_up(self, phase, cid, msg, sent):
-        if phase.kind == "train":
-            self.up[phase.rnd, cid] = msg.copy()
-        return msg
 
 
 def run(problem, method, **kw):
@@ -291,7 +277,6 @@ def test_l2gd_with_lambda_sampling_and_a_newcomer_by_hand(problem):
     for i in members:
         assert close(vec(sim.client_states[i]["x"]), x[i], 1e-4)
     assert close(vec(sim.client_states[sim.ctx.newcomers[0]]["x"]), init)   # never trained
-
 
 
 def test_every_training_client_in_every_round_is_full_participation_with_newcomers(problem):

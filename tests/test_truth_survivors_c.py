@@ -12,10 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from truth import close, config, least_squares, run_rounds, simulator, vec
+from truth import Recorder, close, config, least_squares, run_rounds, simulator, vec
 from pfl.federation.messages import Message, State
 from pfl.federation.simulator import Simulator
-from pfl.federation.wire import Stage
 from pfl.schema import ConfigError
 
 LR, K = 0.05, 3
@@ -30,19 +29,6 @@ def sample_weights(p, clients=None):
     clients = range(p.m) if clients is None else clients
     n = np.array([p.n(i) for i in clients], dtype=float)
     return n / n.sum()
-
-
-class Recorder(Stage):
-    """The delivered training uploads, as they came off the wire."""
-    key = "recorder"
-
-    def __init__(self):
-        self.up: dict[tuple[int, int], object] = {}
-
-    def receive_up(self, phase, cid, msg, sent):
-        if phase.kind == "train":
-            self.up[phase.rnd, cid] = msg.copy()
-        return msg
 
 
 # ---- LAG ---------------------------------------------------------------------------------------------
@@ -122,7 +108,6 @@ def test_lag_rand_k_draws_differ_between_clients_and_rounds(problem):
     masks = _randk_masks(rec, "model", range(4), range(problem.m))
     assert all(len(set(masks[r, c] for c in range(problem.m))) > 1 for r in range(4))
     assert all(len(set(masks[r, c] for r in range(4))) > 1 for c in range(problem.m))
-
 
 
 @pytest.mark.parametrize("uplink", [{"name": "topk", "ratio": 0.5}, {"name": "randk", "ratio": 0.5}])

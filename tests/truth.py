@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pfl.federation.wire import Stage
+
 WEIGHT, BIAS = "fc.weight", "fc.bias"
 
 
@@ -218,3 +220,17 @@ def classification_data(sizes=(12, 15, 10, 14), d=4, classes=3, seed=0):
                          source="digits", true_clusters=np.arange(len(sizes)) % 2, partition_hash="truth",
                          partition_kind="natural")
     return data, arrays
+
+
+class Recorder(Stage):
+    """The delivered training uploads, as they came off the wire (as the run's last stage, its
+    receiving side runs first: what the client sent)."""
+    key = "recorder"
+
+    def __init__(self):
+        self.up: dict[tuple[int, int], object] = {}
+
+    def receive_up(self, phase, cid, msg, sent):
+        if phase.kind == "train":
+            self.up[phase.rnd, cid] = msg.copy()
+        return msg
