@@ -326,6 +326,12 @@ def score(codes: dict[str, int | None], chosen: list[str], equivalents: dict[str
     rest = sorted(m for m in judged if status[m] not in DETECTED)
     if rest:
         lines += ["", "not killed (mutmut show NAME):"] + [f"  {status[m]:<9} {m}" for m in rest]
+        doc = (ROOT / "docs" / "verification.md").read_text()  # every survivor has a row there, by full name
+        rowless = [m for m in rest if f"`{m}`" not in doc]
+        lines += ["", f"survivors without a row in docs/verification.md: {len(rowless)}"] + [f"  {m}" for m in rowless]
+    wrong = sorted(m for m in equivalent if status[m] in DETECTED)
+    if wrong:
+        lines += ["", "listed as equivalent but a test kills them (take them off the list):"] + [f"  {m}" for m in wrong]
     stale = sorted(set(equivalents) - set(codes))
     if stale:
         lines += ["", "equivalents that are no mutant now (renumbered? re-check them):"] + [f"  {m}" for m in stale]

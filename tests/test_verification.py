@@ -106,6 +106,9 @@ def test_mutation_score_leaves_the_equivalents_out_and_each_is_argued_in_the_doc
     assert "survived  pfl.m.x_f__mutmut_2" in text and "timeout   pfl.m.xǁCǁg__mutmut_1" in text
     assert "pfl.m.x_f__mutmut_3" not in text.split("not killed")[1].split("equivalents that")[0]
     assert "pfl.m.x_gone__mutmut_9" in text and "not run yet: 1" in text
+    assert "survivors without a row in docs/verification.md: 2" in text  # the survivor and the timeout
+    wrong = ms.score(codes, sorted(codes), {"pfl.m.x_f__mutmut_1": "claimed"})
+    assert "a test kills them (take them off the list):\n  pfl.m.x_f__mutmut_1" in wrong
     assert ms.file_of("pfl.m.xǁCǁg__mutmut_1") == ms.file_of("pfl.m.x_f__mutmut_1") == "pfl.m"
     doc = (ROOT / "docs" / "verification.md").read_text()
     missing = [n for n in ms.read_equivalents() if f"`{n}`" not in doc]
