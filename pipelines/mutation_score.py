@@ -12,9 +12,8 @@ results (``mutants/**/*.meta``):
     python3 pipelines/mutation_score.py run --children 1         # every mutant not run yet (resumable)
     python3 pipelines/mutation_score.py score                    # killed / (all − equivalent), survivors
 
-``run --names FILE`` runs the mutants named in FILE (one a line) instead, ``run --rerun`` runs even
-those with a result (after a test was added). ``score --sample N --seed S`` scores a seeded uniform
-sample of N (the ``estimate`` or ``sample`` action's names) instead of the whole set.
+``run --names FILE`` runs the mutants named in FILE (one a line), ``run --rerun`` those with a result
+too; ``score --sample N --seed S`` scores a seeded sample of N (``estimate``'s or ``sample``'s names).
 
 The equivalent mutants — those no test can kill because they compute the same thing — are listed in
 ``pipelines/mutation_equivalents.txt`` (``NAME  # reason``), each argued in a row of
@@ -27,10 +26,13 @@ import argparse
 import hashlib
 import json
 import math
+import os
 import random
 import re
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -76,8 +78,8 @@ def _tests_digest(tests) -> str:
 
 def _valid_rows(root: Path = ROOT) -> list[dict]:
     """The direct runner's results that still hold: run on the mutated file as it is now, and either
-    killed or run with the covering tests mutmut's stats name now (a test added since may kill a
-    survivor, or cover a mutant that had none)."""
+    killed or run with the covering tests mutmut's stats name now and the rest of their files (a
+    test added since may kill a survivor, or cover a mutant that had none)."""
     path = root / "mutants" / DIRECT
     if not path.exists():
         return []
@@ -86,7 +88,8 @@ def _valid_rows(root: Path = ROOT) -> list[dict]:
     hashes = {f: _file_hash(root, f) for f in {r["file"] for r in rows}}
     return [r for r in rows if r["hash"] == hashes[r["file"]]
             and (STATUS.get(r["code"]) in DETECTED
-                 or r.get("tests") == _tests_digest(tests_by_fn.get(function_of(r["name"]), ())))]
+                 or r.get("scope") == "files"  # a survivor of its tests' whole files (direct_run)
+                 and r.get("tests") == _tests_digest(tests_by_fn.get(function_of(r["name"]), ())))]
 
 
 def _direct_results(root: Path = ROOT) -> set[str]:
@@ -95,10 +98,7 @@ def _direct_results(root: Path = ROOT) -> set[str]:
 
 
 def _cpu_seconds(pid: int, wall: float) -> float:
-    """A child's CPU time (so a paused run, ``kill -STOP``, times nothing out); its wall time where
-    /proc cannot say."""
-    import os
-
+    """A child's CPU time (a paused run, ``kill -STOP``, times nothing out); else its wall time."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -108,9 +108,6 @@ def _cpu_seconds(pid: int, wall: float) -> float:
 
 def _clean_failures(tests: list[str], jobs: int, pytest) -> set[str]:
     """The tests that fail with no mutant active, run in ``jobs`` forked children."""
-    import os
-    import tempfile
-
     folder = Path(tempfile.mkdtemp())
     pids = []
     for j in range(jobs):
@@ -147,9 +144,6 @@ def direct_run(names: list[str], jobs: int, deadline_s: float, root: Path = ROOT
     5 × their recorded time + 20 s of CPU (a timeout, not killed). Results are appended to
     ``mutants/direct-results.jsonl`` with the hash of the mutated file, so a changed file's results
     are ignored; stops submitting at ``deadline_s``. Returns how many mutants it ran."""
-    import os
-    import signal
-
     tests_by_fn, duration = covering_tests(root)
     covered = dict(tests_by_fn)
     selection = sorted({t.partition("::")[0] for ts in tests_by_fn.values() for t in ts})
@@ -186,6 +180,7 @@ def direct_run(names: list[str], jobs: int, deadline_s: float, root: Path = ROOT
     if broken:  # a test that fails without a mutant here would "kill" every mutant it covers
         print(f"left out, failing without a mutant on this machine: {sorted(broken)}", file=log, flush=True)
         tests_by_fn = {f: ts - broken for f, ts in tests_by_fn.items()}
+    universe = {t for ts in tests_by_fn.values() for t in ts}
     start, done, running = time.perf_counter(), 0, {}
     queue = [m for m in names if tests_by_fn.get(function_of(m))]
     skipped = [m for m in names if not covered.get(function_of(m))]  # no test calls it anywhere
@@ -196,7 +191,7 @@ def direct_run(names: list[str], jobs: int, deadline_s: float, root: Path = ROOT
         f = file_of(name)
         out.write(json.dumps({"name": name, "code": code, "seconds": round(seconds, 2), "file": f,
                               "hash": hashes.setdefault(f, _file_hash(root, f)),
-                              "tests": _tests_digest(tests_by_fn.get(function_of(name), ()))}) + "\n")
+                              "tests": _tests_digest(tests_by_fn.get(function_of(name), ())), "scope": "files"}) + "\n")
         out.flush()
 
     for name in skipped:
@@ -205,7 +200,12 @@ def direct_run(names: list[str], jobs: int, deadline_s: float, root: Path = ROOT
         while queue and len(running) < jobs and time.perf_counter() - start < deadline_s:
             name = queue.pop(0)
             tests = sorted(tests_by_fn[function_of(name)], key=lambda t: (duration.get(t, 0.0), t))
-            limit = 5 * sum(duration.get(t, 0.0) for t in tests) + 20
+            # then the rest of their files: mutmut's stats credit a module-scoped fixture's calls to the
+            # first test that used it, so a later test reading the fixture's result is not "covering"
+            files = {t.partition("::")[0] for t in tests}
+            rest = sorted((t for t in universe - set(tests) if t.partition("::")[0] in files),
+                          key=lambda t: (duration.get(t, 0.0), t))
+            limit = 5 * sum(duration.get(t, 0.0) for t in tests + rest) + 20
             pid = os.fork()
             if pid == 0:  # the child: this mutant only, its output discarded
                 code = 3
@@ -214,6 +214,8 @@ def direct_run(names: list[str], jobs: int, deadline_s: float, root: Path = ROOT
                     os.dup2(fd, 1), os.dup2(fd, 2)
                     os.environ["MUTANT_UNDER_TEST"] = name
                     code = int(pytest.main(["-x", "-q", *QUIET_PLUGINS, *tests]))
+                    if code == 0 and rest:
+                        code = int(pytest.main(["-x", "-q", *QUIET_PLUGINS, *rest]))
                 finally:
                     os._exit(code)
             running[pid] = (name, time.perf_counter(), limit)
@@ -348,9 +350,8 @@ def mutmut_run(names: list[str], children: int, log=sys.stdout) -> float:
         tail = [ln for ln in proc.stdout.replace("\r", "\n").splitlines() if "mutations/second" in ln]
         print(f"  batch {i // BATCH + 1}: {len(batch)} mutants, exit {proc.returncode}, "
               f"{tail[-1].strip() if tail else ''} ({time.perf_counter() - start:.0f} s so far)", file=log, flush=True)
-        if proc.returncode not in (0,):
-            print(proc.stdout[-3000:], file=log)
-            raise SystemExit(f"mutmut run failed (exit {proc.returncode})")
+        if proc.returncode != 0:
+            raise SystemExit(f"{proc.stdout[-3000:]}\nmutmut run failed (exit {proc.returncode})")
     return time.perf_counter() - start
 
 
@@ -359,8 +360,7 @@ def estimate(codes: dict[str, int | None], names: list[str], seconds: float, chi
     scaled by the covering tests' recorded durations (a mutant costs about the tests it runs)."""
     tests, duration = covering_tests()
     cost = {m: sum(duration.get(t, 0.0) for t in tests.get(function_of(m), ())) for m in codes}
-    n_all = len(codes)
-    per = seconds / len(names)
+    n_all, per = len(codes), seconds / len(names)
     lines = [f"timed: {len(names)} mutants in {seconds:.0f} s with --max-children {children} "
              f"({per:.2f} s per mutant, including mutmut's start-up per batch)",
              f"estimate (mean × all): {n_all} × {per:.2f} s = {n_all * per / 3600:.1f} h"]
@@ -370,8 +370,7 @@ def estimate(codes: dict[str, int | None], names: list[str], seconds: float, chi
         lines.append(f"estimate (covering-test seconds × {ratio:.2f}, the sample's measured/recorded ratio): "
                      f"{ratio * sum(cost.values()) / 3600:.1f} h (recorded covering-test time of all "
                      f"mutants {sum(cost.values()) / 3600:.1f} h if every one survived)")
-    no_tests = sum(1 for m in codes if not tests.get(function_of(m)))
-    lines.append(f"mutants without a covering test (no run needed): {no_tests}")
+    lines.append(f"mutants without a covering test (no run needed): {sum(not tests.get(function_of(m)) for m in codes)}")
     return "\n".join(lines)
 
 

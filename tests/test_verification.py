@@ -72,17 +72,23 @@ def test_mutation_sample_is_seeded_its_interval_is_wilsons_and_direct_results_co
     source.parent.mkdir(parents=True)
     source.write_text("x = 1\n")
     (source.parent / "m.py.meta").write_text(json.dumps({"exit_code_by_key": {
-        "pfl.m.x_f__mutmut_1": 1, "pfl.m.x_f__mutmut_2": 0, "pfl.m.x_f__mutmut_3": 33, "pfl.m.x_f__mutmut_4": None}}))
+        "pfl.m.x_f__mutmut_1": 1, "pfl.m.x_f__mutmut_2": 0, "pfl.m.x_f__mutmut_3": 33, "pfl.m.x_f__mutmut_4": None,
+        "pfl.m.x_f__mutmut_5": None}}))
     now = hashlib.sha256(b"x = 1\n").hexdigest()[:16]
+    untested = ms._tests_digest(())  # no stats file here: no covering tests
     rows = [{"name": "pfl.m.x_f__mutmut_4", "code": 1, "file": "pfl.m", "hash": now},
-            {"name": "pfl.m.x_f__mutmut_2", "code": 1, "file": "pfl.m", "hash": "stale"}]
+            {"name": "pfl.m.x_f__mutmut_2", "code": 1, "file": "pfl.m", "hash": "stale"},
+            # a survivor counts only when the rest of its tests' files ran too (scope "files")
+            {"name": "pfl.m.x_f__mutmut_1", "code": 0, "file": "pfl.m", "hash": now, "tests": untested},
+            {"name": "pfl.m.x_f__mutmut_5", "code": 0, "file": "pfl.m", "hash": now, "tests": untested,
+             "scope": "files"}]
     (tmp_path / "mutants" / ms.DIRECT).write_text("".join(json.dumps(r) + "\n" for r in rows))
     codes = ms.results(tmp_path)
     assert codes == {"pfl.m.x_f__mutmut_1": 1, "pfl.m.x_f__mutmut_2": 0, "pfl.m.x_f__mutmut_3": 33,
-                     "pfl.m.x_f__mutmut_4": 1}
-    assert ms._direct_results(tmp_path) == {"pfl.m.x_f__mutmut_4"}
+                     "pfl.m.x_f__mutmut_4": 1, "pfl.m.x_f__mutmut_5": 0}
+    assert ms._direct_results(tmp_path) == {"pfl.m.x_f__mutmut_4", "pfl.m.x_f__mutmut_5"}
     text = ms.score(codes, sorted(codes), {})
-    assert "= 2 / 4 = 50.0 %" in text
+    assert "= 2 / 5 = 40.0 %" in text
     assert "survived  pfl.m.x_f__mutmut_2" in text and "no tests  pfl.m.x_f__mutmut_3" in text
 
 
