@@ -78,8 +78,8 @@ def _tests_digest(tests) -> str:
 
 def _valid_rows(root: Path = ROOT) -> list[dict]:
     """The direct runner's results that still hold: run on the mutated file as it is now, and either
-    killed or run with the covering tests mutmut's stats name now and the rest of their files (a
-    test added since may kill a survivor, or cover a mutant that had none)."""
+    killed or run with the covering tests mutmut's stats name now and the tests sharing their
+    module-scoped fixtures (a test added since may kill a survivor, or cover a mutant that had none)."""
     path = root / "mutants" / DIRECT
     if not path.exists():
         return []
@@ -88,7 +88,7 @@ def _valid_rows(root: Path = ROOT) -> list[dict]:
     hashes = {f: _file_hash(root, f) for f in {r["file"] for r in rows}}
     return [r for r in rows if r["hash"] == hashes[r["file"]]
             and (STATUS.get(r["code"]) in DETECTED
-                 or r.get("scope") == "files"  # a survivor of its tests' whole files (direct_run)
+                 or r.get("scope") in ("fixtures", "files")  # a survivor of the tests sharing fixtures too
                  and r.get("tests") == _tests_digest(tests_by_fn.get(function_of(r["name"]), ())))]
 
 
@@ -154,9 +154,13 @@ def direct_run(names: list[str], jobs: int, deadline_s: float, root: Path = ROOT
 
     class Collected:
         ids: set[str] = set()
+        shared: dict[str, set[str]] = {}  # test → its file's module-scoped fixtures it uses
 
         def pytest_collection_finish(self, session):
             Collected.ids = {item.nodeid for item in session.items}
+            for item in session.items:
+                defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+                Collected.shared[item.nodeid] = {(item.path, n) for n, d in defs.items() if d and d[-1].scope == "module"}
 
     with open(os.devnull, "w") as quiet:  # warm up: import torch, pfl and the test modules once
         saved = os.dup(1), os.dup(2)
@@ -191,7 +195,7 @@ def direct_run(names: list[str], jobs: int, deadline_s: float, root: Path = ROOT
         f = file_of(name)
         out.write(json.dumps({"name": name, "code": code, "seconds": round(seconds, 2), "file": f,
                               "hash": hashes.setdefault(f, _file_hash(root, f)),
-                              "tests": _tests_digest(tests_by_fn.get(function_of(name), ())), "scope": "files"}) + "\n")
+                              "tests": _tests_digest(tests_by_fn.get(function_of(name), ())), "scope": "fixtures"}) + "\n")
         out.flush()
 
     for name in skipped:
@@ -200,10 +204,10 @@ def direct_run(names: list[str], jobs: int, deadline_s: float, root: Path = ROOT
         while queue and len(running) < jobs and time.perf_counter() - start < deadline_s:
             name = queue.pop(0)
             tests = sorted(tests_by_fn[function_of(name)], key=lambda t: (duration.get(t, 0.0), t))
-            # then the rest of their files: mutmut's stats credit a module-scoped fixture's calls to the
-            # first test that used it, so a later test reading the fixture's result is not "covering"
-            files = {t.partition("::")[0] for t in tests}
-            rest = sorted((t for t in universe - set(tests) if t.partition("::")[0] in files),
+            # then the tests sharing their module-scoped fixtures: mutmut's stats credit a fixture's calls
+            # to the first test that used it, so a later test reading the fixture's result is not "covering"
+            fixtures = set().union(*(Collected.shared.get(t, set()) for t in tests))
+            rest = sorted((t for t in universe - set(tests) if Collected.shared.get(t, set()) & fixtures),
                           key=lambda t: (duration.get(t, 0.0), t))
             limit = 5 * sum(duration.get(t, 0.0) for t in tests + rest) + 20
             pid = os.fork()

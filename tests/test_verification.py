@@ -78,10 +78,10 @@ def test_mutation_sample_is_seeded_its_interval_is_wilsons_and_direct_results_co
     untested = ms._tests_digest(())  # no stats file here: no covering tests
     rows = [{"name": "pfl.m.x_f__mutmut_4", "code": 1, "file": "pfl.m", "hash": now},
             {"name": "pfl.m.x_f__mutmut_2", "code": 1, "file": "pfl.m", "hash": "stale"},
-            # a survivor counts only when the rest of its tests' files ran too (scope "files")
+            # a survivor counts only when the tests sharing its tests' fixtures ran too
             {"name": "pfl.m.x_f__mutmut_1", "code": 0, "file": "pfl.m", "hash": now, "tests": untested},
             {"name": "pfl.m.x_f__mutmut_5", "code": 0, "file": "pfl.m", "hash": now, "tests": untested,
-             "scope": "files"}]
+             "scope": "fixtures"}]
     (tmp_path / "mutants" / ms.DIRECT).write_text("".join(json.dumps(r) + "\n" for r in rows))
     codes = ms.results(tmp_path)
     assert codes == {"pfl.m.x_f__mutmut_1": 1, "pfl.m.x_f__mutmut_2": 0, "pfl.m.x_f__mutmut_3": 33,
