@@ -154,7 +154,7 @@ def direct_run(names: list[str], jobs: int, deadline_s: float, root: Path = ROOT
 
     class Collected:
         ids: set[str] = set()
-        shared: dict[str, set[str]] = {}  # test → its file's module-scoped fixtures it uses
+        shared: dict[str, set[tuple]] = {}  # test → (its file, fixture) of each module-scoped fixture it uses
 
         def pytest_collection_finish(self, session):
             Collected.ids = {item.nodeid for item in session.items}
