@@ -43,6 +43,16 @@ class Compressor:
         return f"{type(self).__name__}({self.p})"
 
 
+def bits_of(comp: Compressor, d: int) -> int:
+    """The bits ``comp`` sends for d entries: its formula, or for a compressor without one (natural,
+    sign) a compression of zeros (their bits do not depend on the values; a fixed generator, so the
+    global random stream is untouched)."""
+    formula = getattr(comp, "bits", None)
+    if formula is None:
+        return int(comp.compress(torch.zeros(d), torch.Generator().manual_seed(0)).bits)
+    return int(formula(d))
+
+
 class Scaled(Compressor):
     """C/(1 + ω) of an unbiased C: E‖v − C(v)/(1+ω)‖² = ‖v‖² − 2‖v‖²/(1+ω) + E‖C(v)‖²/(1+ω)²
     ≤ (1 − 1/(1+ω))‖v‖², since E‖C(v)‖² ≤ (1 + ω)‖v‖² — contractive with δ = 1/(1 + ω), the best
@@ -58,12 +68,7 @@ class Scaled(Compressor):
         return Encoded(enc.decoded / (1.0 + self.inner.omega(v.numel())), enc.bits, enc.values)
 
     def bits(self, d: int) -> int:
-        # a compressor without a bits formula (natural, sign) is counted on a compression of zeros,
-        # as the codec counts it (its bits do not depend on the values)
-        formula = getattr(self.inner, "bits", None)
-        if formula is None:
-            return int(self.inner.compress(torch.zeros(d), torch.Generator().manual_seed(0)).bits)
-        return int(formula(d))
+        return bits_of(self.inner, d)
 
     @property
     def contractive(self) -> bool:  # type: ignore[override]
@@ -73,4 +78,4 @@ class Scaled(Compressor):
         return f"Scaled({self.inner!r})"
 
 
-__all__ = ["Compressor", "Scaled"]
+__all__ = ["Compressor", "Scaled", "bits_of"]

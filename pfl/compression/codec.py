@@ -55,6 +55,7 @@ from ..federation.messages import Encoded, Entry, Message, Model, Part, Payload
 from ..federation.store import ClientMemory, LocalMemory
 from ..federation.wire import Only, Phase, Stage, register_stage
 from ..models.functional import buffer_names
+from .base import bits_of
 from .compressors import Compressor, HalfPrecision, Identity, build, contractive
 
 if TYPE_CHECKING:
@@ -162,14 +163,8 @@ def message_bits(comp: Compressor | None, shapes: Mapping[str, torch.Size | tupl
         if comp is None or d < max(min_numel, 1):
             total += 32 * d
         else:
-            total += 8 * ((_bits_of(comp, d) + 7) // 8)
+            total += 8 * ((bits_of(comp, d) + 7) // 8)
     return total
-
-
-def _bits_of(comp: Compressor, d: int) -> int:
-    if hasattr(comp, "bits"):
-        return int(comp.bits(d))  # type: ignore[attr-defined]
-    return int(comp.compress(torch.zeros(d), torch.Generator().manual_seed(0)).bits)
 
 
 def _flat(part_name: str, entries: Mapping[str, Entry]) -> dict[str, Entry]:
