@@ -117,6 +117,28 @@ def test_what_an_untrained_client_is_evaluated_with(problem, rule):
             assert not np.isclose(expected, wrong, rtol=1e-3)
 
 
+@pytest.mark.parametrize("rule", ["personal", "global"])
+def test_a_newcomer_its_join_trained_is_evaluated_with_what_it_trained(rule):
+    """A Per-FedAvg newcomer fine-tunes K plain steps from the final global model when it joins: it
+    has trained, so ``untrained_model: global`` does not replace its model (it did, before: the rule
+    asked only which clients a training round had sampled)."""
+    from pfl.federation.loop import RoundLoop
+
+    p = least_squares(sizes=(20, 30, 24, 27, 22, 25))
+    sim = simulator(p, "perfedavg", steps=K, lr=0.05, rounds=2, newcomers__fraction=0.17,
+                    newcomers__finetune_rounds=1, evaluation__untrained_model=rule)
+    for _ in range(2):
+        sim.run_round(evaluate=False)
+    final = vec(sim.method.global_model)
+    RoundLoop(sim, []).run()
+    (n,) = sim.ctx.newcomers
+    row = next(r for r in sim.last_client_table if r["client"] == n)
+    tuned = p.loss(n, p.gd(n, final, K, 0.05))
+    assert row["test_loss"] == pytest.approx(tuned, rel=1e-5)
+    assert not np.isclose(tuned, p.loss(n, final), rtol=1e-3)   # the global model's loss is another
+    assert sim.join_trained == {n}
+
+
 def test_bad_evaluation_settings_name_the_field_and_the_allowed_values():
     from helpers import small_config
 

@@ -48,7 +48,8 @@ PATHS = {
         method__name="fpfc", attack__kind="gaussian", attack__fraction=0.2, attack__scope="head",
         federation__stages=["compression", "attack"], compression__uplink={"name": "qsgd", "s": 4}),
     "the asynchronous driver": dict(method__name="fpfc", federation__driver="async", federation__rounds=4),
-    "newcomers (fine-tuning)": dict(method__name="ditto", newcomers__fraction=0.2, newcomers__finetune_rounds=2),
+    "newcomers (fine-tuning)": dict(method__name="ditto", newcomers__fraction=0.2, newcomers__finetune_rounds=2,
+                                    evaluation__untrained_model="global"),
     "the disk store": dict(method__name="ditto", federation__client_store="disk"),
     "evaluation modes": dict(
         method__name="fedavg", evaluation__when=["before", "after"], evaluation__local_model=True,
@@ -332,6 +333,27 @@ def test_worker_settings_are_checked_naming_the_field(key, value, words):
     with pytest.raises(ConfigError) as err:
         small_config(**{key.replace(".", "__"): value})
     assert all(w in str(err.value) for w in words), str(err.value)
+
+
+@pytest.mark.parametrize("n, sizes", [(2, [5] * 50), (2, [1, 40, 3, 3, 3, 60, 2, 9]), (3, [7, 1, 1]),
+                                       (2, [4]), (4, list(range(1, 30)))])
+def test_blocks_cut_a_part_in_its_order_and_give_each_worker_its_share(n, sizes):
+    """The pool's blocks: the part's clients in order, cut in at most 3 × n runs dealt to the
+    workers in turn, so each worker holds about 1/n of the data (within one block's largest client)."""
+    from pfl.federation.workers import BLOCKS_PER_WORKER, WorkerPool
+
+    pool = object.__new__(WorkerPool)
+    pool.n, pool.turn, pool.sizes = n, 0, sizes
+    cids = list(range(len(sizes)))
+    blocks = pool.blocks(cids)
+    assert [c for _, group in blocks for c in group] == cids and all(group for _, group in blocks)
+    assert len(blocks) == min(len(cids), n * BLOCKS_PER_WORKER)
+    assert [slot for slot, _ in blocks] == [b % n for b in range(len(blocks))]
+    load = [sum(sizes[c] + 1 for slot, group in blocks if slot == w for c in group) for w in range(n)]
+    share, biggest = sum(s + 1 for s in sizes) / n, max(sizes) + 1
+    assert all(abs(w - share) <= BLOCKS_PER_WORKER * biggest for w in load), load
+    if len(cids) == 1:  # one client: the next call goes to the next worker
+        assert [pool.blocks(cids)[0][0] for _ in range(n)] == [1 % n, 2 % n, 3 % n, 4 % n][:n]
 
 
 def test_workers_that_fit_counts_per_node():

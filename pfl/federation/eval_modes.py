@@ -23,7 +23,8 @@ run that sets none of them computes and reports exactly what it did before.
   part in at least one training round (a round's sample, :meth:`Population.sample`, for every round
   of the model's lineage so far; a pooled reference row: every member) — and ``test/trained/clients``,
   their count.
-* ``evaluation.untrained_model``: what a client that never trained is evaluated with —
+* ``evaluation.untrained_model``: what a client that never trained (in a training round, or a
+  newcomer in a join step) is evaluated with —
   ``personal`` (its personal model as the method builds it: for Ditto an untrained model),
   ``global`` (the global model it receives, when the method has one) or ``method``:
   :attr:`Method.untrained_model`.
@@ -117,10 +118,12 @@ def untrained_rule(sim) -> str:
     return type(sim.method).untrained_model if rule == "method" else rule
 
 
-def adjust_plan(sim, client: "ClientHandle", plan: "EvalPlan") -> "EvalPlan":
-    """A client's evaluation plan with the untrained rule and the local model applied."""
+def adjust_plan(sim, client: "ClientHandle", plan: "EvalPlan", joined: frozenset[int] = frozenset()) -> "EvalPlan":
+    """A client's evaluation plan with the untrained rule and the local model applied; ``joined``:
+    the newcomers a join step trained (not untrained, though no training round sampled them)."""
     ev = sim.cfg.evaluation
-    if plan.global_model is not None and untrained_rule(sim) == "global" and client.cid not in trained_clients(sim):
+    trained = client.cid in joined or client.cid in trained_clients(sim)
+    if plan.global_model is not None and untrained_rule(sim) == "global" and not trained:
         plan = dataclasses.replace(plan, personal=plan.global_model, forward=None)
     if ev.local_model and LOCAL_KEY in client.state:
         plan = dataclasses.replace(plan, extra={**plan.extra, LOCAL_NAME: client.state[LOCAL_KEY]})

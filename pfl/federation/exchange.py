@@ -116,10 +116,9 @@ class Exchange:
             results = self.runner.run({cid: job(cid) for cid in downs})
             reply_of = results.__getitem__
             state_of = lambda cid: clients[cid].state  # noqa: E731
-        for cid in downs:
-            self.store.save(cid, state_of(cid))
         out: dict[int, Arrival] = {}
-        for cid in downs:
+        for cid in downs:  # one client at a time: a pool's later blocks are still computing
+            self.store.save(cid, state_of(cid))
             reply, local = reply_of(cid)
             arrival = Arrival(cid, self.wire.send_up(phase, cid, reply, sent[cid]), local)
             if receive is None:

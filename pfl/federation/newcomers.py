@@ -88,6 +88,7 @@ def join_newcomers(sim) -> dict[str, float]:
         active = method.join_active(step)
         if not active:
             break
+        sim.join_trained.update(active)
         rnd = start + step
         arrivals = sim.exchange(Phase("join", rnd, step), active,
                                 lambda cid: method.join_message(rnd, step, cid), sim.join_side(rnd, step))

@@ -56,14 +56,16 @@ class ClientSides:
         # evaluation.when, local_model: evaluations around it
         return named(eval_modes.fit_side(self, rnd, side), "training", rnd)
 
-    def evaluation_side(self, rnd: int) -> ClientSide:
-        """An evaluation's client side: the method's plan (the untrained rule applied) and the row."""
+    def evaluation_side(self, rnd: int, joined: tuple[int, ...] = ()) -> ClientSide:
+        """An evaluation's client side: the method's plan (the untrained rule applied; ``joined``: the
+        newcomers a join step trained, which the simulator knows and a worker is told) and the row."""
         task, with_global = self.data.task, self.cfg.federation.eval_global
+        trained_newcomers = frozenset(joined)
 
         def plan_and_row(client: "ClientHandle", msg: "Message | None"):
-            plan = eval_modes.adjust_plan(self, client, self.client_role.eval_plan(rnd, client, msg))
+            plan = eval_modes.adjust_plan(self, client, self.client_role.eval_plan(rnd, client, msg), trained_newcomers)
             return plan.reply, evaluate_plan(client, plan, task, with_global)
-        return named(plan_and_row, "evaluation", rnd)
+        return named(plan_and_row, "evaluation", rnd, tuple(sorted(trained_newcomers)))
 
     def personal_side(self, rnd: int) -> ClientSide:
         """The model a client is evaluated with, kept by the simulator (``personal_models``)."""

@@ -86,6 +86,7 @@ class Simulator(ClientSides):
         self.population = Population(self.ctx, self.data.client_ids)
         self.newcomers_joined = False          # the newcomers have joined (evaluated with everyone)
         self.join_result: dict | None = None   # their metrics, once joined
+        self.join_trained: set[int] = set()    # the newcomers a join step trained (no longer untrained)
         method_cls = get_method(cfg.method.name)
         if declares_memory(method_cls):  # population-bound server state (FPFC's θ, v): refused before it is made
             check_server_memory(cfg, len(self.data.clients),
@@ -254,7 +255,7 @@ class Simulator(ClientSides):
         # of them, except at the final evaluation
         cids = self.population.evaluated(self.newcomers_joined, final)
         arrivals = self.eval_exchange(Phase("eval", rnd), cids, lambda cid: self.method.eval_message(rnd, cid),
-                                      self.evaluation_side(rnd))
+                                      self.evaluation_side(rnd, tuple(self.join_trained)))
         replies = {cid: arrivals[cid].reply for cid in cids if arrivals[cid].reply is not None}
         rows = [self.population.mark(arrivals[cid].local) for cid in cids]
         self.method.eval_aggregate(rnd, replies)
@@ -319,7 +320,8 @@ class Simulator(ClientSides):
     def lineage_state(self) -> dict:
         """The model lineage without its client states: round, hyperparameters, server state."""
         state = {"round": self.round, "hparams": to_dict(self.method.hp), "server": self.method.server_state(),
-                 "newcomers": {"joined": self.newcomers_joined, "result": self.join_result}}
+                 "newcomers": {"joined": self.newcomers_joined, "result": self.join_result,
+                               "trained": sorted(self.join_trained)}}
         stages = self.wire.stages.state_dict()
         if stages:  # the server side of the wire's stages, by name (compression: the downlink mirrors)
             state["stages"] = stages
@@ -334,6 +336,7 @@ class Simulator(ClientSides):
         join = state.get("newcomers") or {}
         self.newcomers_joined = bool(join.get("joined", False))
         self.join_result = join.get("result")
+        self.join_trained = {int(c) for c in join.get("trained", ())}
         self.wire.stages.load_state_dict(to_device(state.get("stages", {}), self.device))
 
     def model_state(self) -> dict:

@@ -9,7 +9,8 @@ store, sampling and the callbacks — stays in the run's process. Each worker
 client side of the stages and the client data itself from the config (data from the partition
 cache): nothing of the data set is shipped, ever.
 
-**What crosses, per call** (one call per worker per part: a round's training, an evaluation):
+**What crosses, per call** (a part — a round's training, an evaluation — goes as up to
+:data:`BLOCKS_PER_WORKER` calls per worker, see Same bits):
 the phase, the side's name (:mod:`pfl.federation.sides`), the lineage's round, the method's
 hyperparameters, and for each of the worker's clients its delivered downlink and its loaded state;
 back come each client's reply (already through its side of the wire: compressed, attacked), what
@@ -19,8 +20,11 @@ per round as ``workers/sent_bytes`` and ``workers/received_bytes``.
 
 **Same bits.** A client's step is a function of its downlink, its state and generators seeded by
 (seed, round, client, purpose), so where it runs does not change it. Replies are delivered and
-states saved in the part's client order, whichever worker finishes first. Clients go to workers
-by their training sizes (largest first to the least loaded worker), which only balances the work.
+states saved in the part's client order, whichever worker finishes first. The part is cut, in its
+order, into blocks of about equal training data dealt to the workers in turn (:meth:`WorkerPool.blocks`):
+blocks finish in about the order they are delivered in, so the run's process unpacks, saves and
+folds the first blocks' clients while the workers compute the last ones. Which worker computes a
+client only balances the work.
 
 **Faults.** A worker that dies (a killed process, out of memory) is started again and its clients
 of the call run again from the same downlinks and states — the same bits; ``workers/restarts``
@@ -63,6 +67,8 @@ START_TIMEOUT_S = 600.0
 #: environment a worker needs from the run's process (the partition cache it reads)
 CARRIED_ENV = ("PFL_CACHE_DIR",)
 RESOURCES = "federation.worker_resources"
+#: a part is sent as this many blocks per worker, so the run's process delivers replies while workers compute
+BLOCKS_PER_WORKER = 3
 
 
 class WorkerLost(RuntimeError):
@@ -233,42 +239,41 @@ class WorkerPool:
         return spec_of(side) is not None and not self.own_stages
 
     def ship(self, phase: Phase, downs: Mapping[int, "Message | None"], states: Mapping[int, dict],
-             side: ClientSide) -> dict[int, tuple] | None:
+             side: ClientSide) -> Mapping[int, tuple] | None:
         """Every client of ``downs`` computed by the workers: ``{cid: (answer, state)}``, functions
         that unpack the client's (reply, local) and its new state when called (the run's process then
         holds one reply at a time, not a part's); None when this side cannot go to a worker (it has
-        no name)."""
+        no name). Asking for a client waits only for its block (:meth:`blocks`): the exchange
+        delivers the first blocks' replies while the workers compute the last ones."""
         if not downs or not self.ships(side):
             return None
         spec = spec_of(side)
         self.start()
         common = {"phase": phase, "spec": spec, "round": self.sim.round, "hparams": to_dict(self.sim.method.hp)}
-        calls = {slot: dumps({**common, "jobs": list(zip(group, share_equal([downs[c] for c in group]),
-                                                          [states[c] for c in group]))})
-                 for slot, group in self.assign(list(downs))}
-        pending = {slot: self._submit(slot, payload) for slot, payload in calls.items()}
-        got: dict[int, tuple] = {}
-        for slot, payload in calls.items():
-            answer = loads(self._result(slot, pending[slot], payload), self.sim.device)
-            for cid, reply, state in answer["results"]:
-                got[cid] = (functools.partial(loads, reply, self.sim.device),
-                            functools.partial(loads, state, self.sim.device))
-            self.sequential.update(answer["sequential"])
-            self.sim.wire.stages.add_tallies(answer["tallies"])
-        return {cid: got[cid] for cid in downs}
+        calls = []
+        for slot, group in self.blocks(list(downs)):
+            payload = dumps({**common, "jobs": list(zip(group, share_equal([downs[c] for c in group]),
+                                                        [states[c] for c in group]))})
+            calls.append(_Call(slot, group, payload, self._submit(slot, payload)))
+        return _Arrivals(self, calls)
 
-    def assign(self, cids: list[int]) -> list[tuple[int, list[int]]]:
-        """The clients of a call by worker: largest training set first, each to the least loaded
-        worker (a call of one client goes to the workers in turn)."""
+    def blocks(self, cids: list[int]) -> list[tuple[int, list[int]]]:
+        """The clients of a call in :data:`BLOCKS_PER_WORKER` × workers runs of the part's order, each
+        about as much training data (plus one per client) as the others, dealt to the workers in
+        turn: each worker gets its share, and blocks finish in about the order they are delivered
+        in (a call of one client goes to the workers in turn)."""
         slots = [(self.turn + i) % self.n for i in range(self.n)]
         self.turn += 1
-        load = {slot: 0 for slot in slots}
-        groups: dict[int, list[int]] = {slot: [] for slot in slots}
-        for cid in sorted(cids, key=lambda c: (-self.sizes[c], c)):
-            slot = min(slots, key=lambda s: load[s])
-            groups[slot].append(cid)
-            load[slot] += self.sizes[cid] + 1
-        return [(slot, sorted(group)) for slot, group in groups.items() if group]
+        weights = [self.sizes[c] + 1 for c in cids]
+        count = min(len(cids), self.n * BLOCKS_PER_WORKER)
+        total, out, start, acc = sum(weights), [], 0, 0
+        for i, w in enumerate(weights):
+            acc += w
+            # a block ends where the running weight passes its share, leaving a client for each later block
+            if acc * count >= total * (len(out) + 1) or len(cids) - i - 1 < count - len(out):
+                out.append(cids[start:i + 1])
+                start = i + 1
+        return [(slots[b % self.n], block) for b, block in enumerate(out) if block]
 
     # ---- the workers ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -314,13 +319,16 @@ class WorkerPool:
         self.sent += payload.nbytes
         return self.workers[slot].submit(payload)
 
-    def _result(self, slot: int, ref, payload: Packed) -> Packed:
+    def _result(self, call: "_Call", calls: list["_Call"]) -> Packed:
+        """The packed answer of ``call``. A worker that died is replaced, and its calls not yet
+        fetched (this one included) go to the new one: the same downlinks and states."""
         for attempt in range(MAX_RESTARTS + 1):
             try:
-                data = self.workers[slot].get(ref)
+                data = self.workers[call.slot].get(call.ref)
                 self.received += data.nbytes
                 return data
             except WorkerLost as err:
+                slot = call.slot
                 if attempt == MAX_RESTARTS:
                     raise RuntimeError(f"worker {slot} died {attempt + 1} times on the same clients; last: {err}") \
                         from None
@@ -329,7 +337,9 @@ class WorkerPool:
                 self.workers[slot].kill()
                 self.workers[slot] = self._spawn(slot)
                 self._check(slot, self.workers[slot].ready())
-                ref = self._submit(slot, payload)
+                for other in calls:
+                    if other.slot == slot and not other.fetched:
+                        other.ref = self._submit(slot, other.payload)
         raise AssertionError("unreachable")
 
     def _ray_session(self) -> None:
@@ -355,6 +365,42 @@ class WorkerPool:
             raise ConfigError(RESOURCES, f"{self.n} workers of {{cpu: {cpu:g}, gpu: {gpu:g}}} do not fit the Ray "
                                          f"cluster ({_cluster_text()}; {fit} fit): ask for less per worker or lower "
                                          "federation.workers")
+
+
+class _Call:
+    """One block of a part on its way to a worker and back."""
+
+    def __init__(self, slot: int, group: list[int], payload: Packed, ref: Any):
+        self.slot, self.group, self.payload, self.ref, self.fetched = slot, group, payload, ref, False
+
+
+class _Arrivals(Mapping):
+    """A shipped part's clients → (answer, state) unpackers; a client's block is fetched when the
+    client is first asked for, the blocks before it first (their tallies count in one order)."""
+
+    def __init__(self, pool: WorkerPool, calls: list[_Call]):
+        self.pool, self.calls, self.got = pool, calls, {}
+        self.order = [cid for call in calls for cid in call.group]
+        self.next = 0
+
+    def __getitem__(self, cid: int) -> tuple:
+        while cid not in self.got:
+            call = self.calls[self.next]  # the blocks up to cid's, in order
+            self.next += 1
+            answer = loads(self.pool._result(call, self.calls), self.pool.sim.device)
+            call.fetched, call.payload = True, None
+            for c, reply, state in answer["results"]:
+                self.got[c] = (functools.partial(loads, reply, self.pool.sim.device),
+                               functools.partial(loads, state, self.pool.sim.device))
+            self.pool.sequential.update(answer["sequential"])
+            self.pool.sim.wire.stages.add_tallies(answer["tallies"])
+        return self.got[cid]
+
+    def __iter__(self):
+        return iter(self.order)
+
+    def __len__(self) -> int:
+        return len(self.order)
 
 
 #: the pools of this process whose workers may be running
