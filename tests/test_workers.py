@@ -343,7 +343,7 @@ def test_blocks_cut_a_part_in_its_order_and_give_each_worker_its_share(n, sizes)
     from pfl.federation.workers import BLOCKS_PER_WORKER, WorkerPool
 
     pool = object.__new__(WorkerPool)
-    pool.n, pool.turn, pool.sizes = n, 0, sizes
+    pool.n, pool.turn, pool.sizes, pool.per_worker = n, 0, sizes, BLOCKS_PER_WORKER
     cids = list(range(len(sizes)))
     blocks = pool.blocks(cids)
     assert [c for _, group in blocks for c in group] == cids and all(group for _, group in blocks)

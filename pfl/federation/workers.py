@@ -10,7 +10,8 @@ client side of the stages and the client data itself from the config (data from 
 cache): nothing of the data set is shipped, ever.
 
 **What crosses, per call** (a part — a round's training, an evaluation — goes as up to
-:data:`BLOCKS_PER_WORKER` calls per worker, see Same bits):
+:data:`BLOCKS_PER_WORKER` calls per worker, or one each when
+the workers hold every CPU of the cluster; see Same bits):
 the phase, the side's name (:mod:`pfl.federation.sides`), the lineage's round, the method's
 hyperparameters, and for each of the worker's clients its delivered downlink and its loaded state;
 back come each client's reply (already through its side of the wire: compressed, attacked), what
@@ -67,7 +68,10 @@ START_TIMEOUT_S = 600.0
 #: environment a worker needs from the run's process (the partition cache it reads)
 CARRIED_ENV = ("PFL_CACHE_DIR",)
 RESOURCES = "federation.worker_resources"
-#: a part is sent as this many blocks per worker, so the run's process delivers replies while workers compute
+#: a part is sent as this many blocks per worker when the cluster has a CPU beyond the workers' (the
+#: run's process then delivers the first blocks while the workers compute the last); else one block each,
+#: as the extra calls cost more CPU than the overlap saves when the workers hold every core
+#: (pipelines/bench_workers.py on 2 CPUs: 2 workers 1.46x one process with 3 blocks, 1.59x with 1)
 BLOCKS_PER_WORKER = 3
 
 
@@ -208,6 +212,7 @@ class WorkerPool:
         self.pids: dict[int, int] = {}   # each worker's process (a restart changes it)
         self.nodes: dict[int, str] = {}  # each worker's Ray node (workers/nodes: how many they span)
         self.turn = 0
+        self.per_worker = BLOCKS_PER_WORKER  # blocks per worker (:meth:`blocks`); 1 when the workers fill the cluster
         self.sent = self.received = self.restarts = 0
         self._finalizer = weakref.finalize(self, _kill_all, self.workers)
         if own_stages:
@@ -258,14 +263,14 @@ class WorkerPool:
         return _Arrivals(self, calls)
 
     def blocks(self, cids: list[int]) -> list[tuple[int, list[int]]]:
-        """The clients of a call in :data:`BLOCKS_PER_WORKER` × workers runs of the part's order, each
+        """The clients of a call in ``per_worker`` × workers runs of the part's order, each
         about as much training data (plus one per client) as the others, dealt to the workers in
         turn: each worker gets its share, and blocks finish in about the order they are delivered
         in (a call of one client goes to the workers in turn)."""
         slots = [(self.turn + i) % self.n for i in range(self.n)]
         self.turn += 1
         weights = [self.sizes[c] + 1 for c in cids]
-        count = min(len(cids), self.n * BLOCKS_PER_WORKER)
+        count = min(len(cids), self.n * self.per_worker)
         total, out, start, acc = sum(weights), [], 0, 0
         for i, w in enumerate(weights):
             acc += w
@@ -361,6 +366,7 @@ class WorkerPool:
         cpu, gpu = self.resources.cpu, self.resources.gpu
         nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
         fit = workers_that_fit(nodes, cpu, gpu)
+        self.per_worker = BLOCKS_PER_WORKER if fit > self.n else 1
         if fit < self.n:
             raise ConfigError(RESOURCES, f"{self.n} workers of {{cpu: {cpu:g}, gpu: {gpu:g}}} do not fit the Ray "
                                          f"cluster ({_cluster_text()}; {fit} fit): ask for less per worker or lower "

@@ -70,7 +70,6 @@ import numpy as np
 import torch
 from torch.func import functional_call
 
-from ..compression import decode_update
 from ..federation.messages import Message, Model
 from ..federation.state import checkpointable
 from ..models import layer_groups
@@ -338,17 +337,15 @@ class ALAStartMixin(_ALACore):
         return {**base_start, **mixed}
 
     def _ala_after_training(self, client: ClientHandle, msg: Message | None, reply: Message | None) -> None:
-        # The client's local model for next time: what it trained now, for the names it received.
-        if msg is None or reply is None:
+        # The client's local model for next time: what it trained now, for the names it received. Read
+        # from its training, not its reply: SCAFFOLD, FedNova and DIANA send changes or gradients, and
+        # LAG sends nothing in a round it skips (it trained all the same).
+        if msg is None or client.trained is None:
             return
         names = [k for p in msg.parts.values() if isinstance(p, Model) for k in p.entries]
-        sent: Params = {}
-        for part in reply.parts.values():
-            if isinstance(part, Model):  # a model the method encoded itself (LAG) is a change of its base
-                base = msg.tensors(part.base) if part.base in msg else None
-                sent.update(decode_update(part.entries, base))
-        kept = {k: sent[k].detach() for k in names if k in sent}
-        self._ala_state(client)["local"] = kept or None
+        kept = {k: client.trained[k].detach() for k in names if k in client.trained}
+        if kept:
+            self._ala_state(client)["local"] = kept
 
     def personal_params(self, rnd: int, client: ClientHandle, received: Params | None) -> Params:
         if type(self)._ala_base_personal is not Method.personal_params:

@@ -71,6 +71,7 @@ class ClientHandle:
         self.ctx = ctx
         self.model = model
         self.compute = compute
+        self.trained: Params | None = None  # the parameters its last training ended with (this step's)
 
     @property
     def data(self) -> "ClientData":
@@ -99,8 +100,10 @@ class ClientHandle:
             task=self.ctx.meta.task, generator=self.generator(rnd, tag),
         )
         kwargs.update(overrides)
-        return self.compute.train(TrainCall(self.model, params, self.data.x_train if x is None else x,
-                                            self.data.y_train if y is None else y, kwargs))
+        result = self.compute.train(TrainCall(self.model, params, self.data.x_train if x is None else x,
+                                              self.data.y_train if y is None else y, kwargs))
+        self.trained = result.params
+        return result
 
     def evaluate(self, params: Params, x: torch.Tensor, y: torch.Tensor,
                  forward: Callable[[Params, torch.Tensor], torch.Tensor] | None = None) -> EvalResult:

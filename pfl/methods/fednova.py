@@ -72,7 +72,8 @@ class FedNova(FedAvg):
 
     def local_update(self, rnd: int, client: ClientHandle, msg: Message | None) -> Message:
         start = msg.tensors()
-        result = client.train(start, rnd, **self.train_kwargs(client, start))
+        # the start hook (a plug-in such as ALA may start elsewhere); the update stays a change of the received model
+        result = client.train(self.start_params(client, start), rnd, **self.train_kwargs(client, start))
         norm = update_weight(result.steps, self.ctx.lr(rnd), self.ctx.cfg.federation.momentum, self.hp.mu)
         d = {k: (start[k] - result.params[k]) / max(norm, 1e-12) for k in start}
         # an Update part: compression sends its values (a Model part would name its base)
