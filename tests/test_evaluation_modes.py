@@ -137,6 +137,14 @@ def test_a_newcomer_its_join_trained_is_evaluated_with_what_it_trained(rule):
     assert row["test_loss"] == pytest.approx(tuned, rel=1e-5)
     assert not np.isclose(tuned, p.loss(n, final), rtol=1e-3)   # the global model's loss is another
     assert sim.join_trained == {n}
+    # a checkpoint keeps it (implied when the join trained every newcomer: the state's layout is unchanged)
+    state = sim.lineage_state()
+    assert "trained" not in state["newcomers"]
+    again = simulator(p, "perfedavg", steps=K, lr=0.05, rounds=2, newcomers__fraction=0.17,
+                      newcomers__finetune_rounds=1, evaluation__untrained_model=rule)
+    assert again.join_trained == set()
+    again.load_lineage_state(state)
+    assert again.join_trained == {n}
 
 
 def test_bad_evaluation_settings_name_the_field_and_the_allowed_values():

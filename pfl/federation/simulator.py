@@ -319,9 +319,11 @@ class Simulator(ClientSides):
     # ---- state ---------------------------------------------------------------------------------
     def lineage_state(self) -> dict:
         """The model lineage without its client states: round, hyperparameters, server state."""
+        joined = {"joined": self.newcomers_joined, "result": self.join_result}
+        if self.join_trained and self.join_trained != set(self.ctx.newcomers):  # else implied (load_lineage_state)
+            joined["trained"] = sorted(self.join_trained)
         state = {"round": self.round, "hparams": to_dict(self.method.hp), "server": self.method.server_state(),
-                 "newcomers": {"joined": self.newcomers_joined, "result": self.join_result,
-                               "trained": sorted(self.join_trained)}}
+                 "newcomers": joined}
         stages = self.wire.stages.state_dict()
         if stages:  # the server side of the wire's stages, by name (compression: the downlink mirrors)
             state["stages"] = stages
@@ -336,7 +338,10 @@ class Simulator(ClientSides):
         join = state.get("newcomers") or {}
         self.newcomers_joined = bool(join.get("joined", False))
         self.join_result = join.get("result")
-        self.join_trained = {int(c) for c in join.get("trained", ())}
+        # the newcomers a join step trained: all of them when the join ran a step, unless the state names some
+        steps = (self.join_result or {}).get("newcomer/join_steps", 0)
+        every = set(self.ctx.newcomers) if self.newcomers_joined and steps else set()
+        self.join_trained = {int(c) for c in join["trained"]} if "trained" in join else every
         self.wire.stages.load_state_dict(to_device(state.get("stages", {}), self.device))
 
     def model_state(self) -> dict:
