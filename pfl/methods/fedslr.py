@@ -47,7 +47,8 @@ Decisions where the spec is silent or our engine differs:
 * ``server`` defaults to ``algo3`` (same iterates, d instead of n·d floats of server memory).
 * γ_i and P_i are created on a client's first participation (zeros, or for ``p_init=copy_init``
   the run's seeded initial conv/linear weights with vector tensors at zero, like the code);
-  a client that never trained is evaluated with w + P_init.
+  a client that never trained is evaluated with w + P_init (``zeros``: w itself, the GKR's BatchNorm
+  statistics included, not P_init's placeholder ones).
 * λ = 0 skips the SVD (nothing is thresholded; the reported rank is the full rank).
 * A client reports nnz(P_i) and its size in its reply's ``info`` (two integers for metrics,
   no model content); ``model/sparsity`` and ``model/mixed_params`` average over clients that have
