@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from truth import (close, config, least_squares, numpy_params, simulator, softmax, vec)
+from truth import classification_data, close, config, least_squares, numpy_params, simulator, softmax, vec
 
 LR, K = 0.2, 3
 
@@ -83,26 +83,9 @@ H, MLR = 6, 0.3
 BODY, HEAD = ["fc1.weight", "fc1.bias"], ["fc.weight", "fc.bias"]
 
 
-def blobs(sizes=(12, 15, 10, 14), d=4, classes=3, seed=0, missing=None):
-    """Gaussian class blobs per client; ``missing``: {client: class} a client does not hold."""
-    from pfl.data.federated import ClientData, FederatedData
-
-    rs = np.random.RandomState(seed)
-    means = rs.normal(0.0, 2.0, (classes, d))
-    arrays, clients = [], []
-    for i, n in enumerate(sizes):
-        y = rs.randint(0, classes, n)
-        y[:classes] = np.arange(classes)
-        if missing and i in missing:
-            y[y == missing[i]] = (missing[i] + 1) % classes
-        x = means[(y + i) % classes] + rs.normal(0.0, 1.0, (n, d))
-        arrays.append((x, y))
-        xt, yt = torch.tensor(x, dtype=torch.float32), torch.tensor(y, dtype=torch.int64)
-        clients.append(ClientData(xt, yt, xt.clone(), yt.clone(), xt.clone(), yt.clone(), cluster=i % 2))
-    data = FederatedData(clients=clients, num_classes=classes, input_shape=(d,), task="classification",
-                         source="digits", true_clusters=np.arange(len(sizes)) % 2, partition_hash="truth",
-                         partition_kind="natural")
-    return data, arrays
+def blobs(**kw):
+    """Gaussian class blobs per client (tests/truth.py); ``missing``: {client: class} a client does not hold."""
+    return classification_data(**kw)
 
 
 def mlp_sim(data, method, **kw):

@@ -202,8 +202,9 @@ def numpy_params(params) -> dict[str, np.ndarray]:
     return {k: v.detach().double().cpu().numpy().copy() for k, v in params.items()}
 
 
-def classification_data(sizes=(12, 15, 10, 14), d=4, classes=3, seed=0):
-    """A pfl FederatedData of Gaussian class blobs (classes shifted per client), and its numpy arrays."""
+def classification_data(sizes=(12, 15, 10, 14), d=4, classes=3, seed=0, missing=None):
+    """A pfl FederatedData of Gaussian class blobs (classes shifted per client), and its numpy arrays;
+    ``missing``: {client: class} a client does not hold (relabelled to the next class)."""
     from pfl.data.federated import ClientData, FederatedData
 
     rs = np.random.RandomState(seed)
@@ -212,6 +213,8 @@ def classification_data(sizes=(12, 15, 10, 14), d=4, classes=3, seed=0):
     for i, n in enumerate(sizes):
         y = rs.randint(0, classes, n)
         y[:classes] = np.arange(classes)  # every client holds every class
+        if missing and i in missing:
+            y[y == missing[i]] = (missing[i] + 1) % classes
         x = means[(y + i) % classes] + rs.normal(0.0, 1.0, (n, d))
         arrays.append((x, y))
         xt, yt = torch.tensor(x, dtype=torch.float32), torch.tensor(y, dtype=torch.int64)
