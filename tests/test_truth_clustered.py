@@ -207,3 +207,30 @@ def test_fpfc_l1_reaches_the_group_lasso_optimum(problem, lam):
     # the pull of the far cluster moves the fused model off its cluster's joint optimum
     if lam > 1:
         assert not close(W[0], p.joint_opt([0, 1]), 1e-2)
+
+
+def test_fpfc_cluster_assignment_is_the_partition_of_now_after_rounds_without_an_evaluation(problem):
+    """``Method.cluster_assignment``: the clusters of now. An evaluation at the start (θ = 0: every pair
+    below ν, one cluster) must not be what FPFC answers after training rounds have moved θ; the truth
+    is the connected components of {‖θ_ij‖ < ν} found here by a search over the numpy pair norms."""
+    p = problem
+    sim = simulator(p, "fpfc", steps=5, lr=LR, method__lam=0.05, method__nu=0.5)
+    sim.evaluate()
+    assert set(sim.method.cluster_assignment().values()) == {0}
+    run_rounds(sim, 15)
+    theta = sim.method.theta.double().numpy()
+    near = np.linalg.norm(theta, axis=2) < 0.5
+    labels, next_label = [-1] * p.m, 0
+    for start in range(p.m):
+        if labels[start] < 0:
+            stack, labels[start] = [start], next_label
+            while stack:
+                i = stack.pop()
+                for j in range(p.m):
+                    if (near[i, j] or near[j, i]) and labels[j] < 0:
+                        labels[j] = next_label
+                        stack.append(j)
+            next_label += 1
+    assert next_label > 1, "the rounds must split the federation for this test to tell the answers apart"
+    got = sim.method.cluster_assignment()
+    assert _same_partition([got[i] for i in range(p.m)], labels)

@@ -216,7 +216,7 @@ class FPFC(FPFCJoin, FPFCMemory, Method):
         self.sim_clock = 0.0
         self.external_clock = False  # set by the asynchronous simulator
         self._zeta: dict[int, torch.Tensor] = {}
-        self._labels: np.ndarray | None = None  # the last evaluation's read-out
+        self._labels: np.ndarray | None = None  # the last evaluation's read-out, until θ moves
         self._nu = float(self.hp.nu)
         self._readout: torch.Tensor | None = None
 
@@ -324,6 +324,7 @@ class FPFC(FPFCJoin, FPFCMemory, Method):
                                   attack_fraction=self.ctx.cfg.attack.fraction)
             if self.body_of is not None:
                 self.body_of[idx] = flatten_params(self.body, self.shared)
+        self._labels = None  # θ moved: cluster_assignment reads the clusters of now, not the last evaluation's
 
     def round_metrics(self, rnd: int) -> dict[str, float]:
         """The ADMM residuals over the round (:class:`pfl.methods.fpfc_admm.Residuals`): what tells

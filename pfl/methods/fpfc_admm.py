@@ -308,6 +308,7 @@ class FPFCJoin:
             change = torch.linalg.vector_norm(self.W[idx] - old, dim=1)
             scale = torch.linalg.vector_norm(old, dim=1).clamp_min(1e-12)
             self.settled += [c for c, ok in zip(cids, (change <= tol * scale).tolist()) if ok]
+        self._labels = None  # θ moved (see FPFC.aggregate)
 
 
 __all__ = ["FPFCJoin", "FPFCMemory", "Prox", "Residuals", "glued_clusters", "pair_residual_sq", "pair_update",
