@@ -323,3 +323,40 @@ def test_fpfc_join_records_the_sample_counts_on_the_servers_device():
     with _CudaDeviceRules():
         meth.join_aggregate(1, 0, replies)
     assert meth.n_seen.device.type == "meta" and meth.W.device.type == "meta"
+
+
+def test_fpfc_cluster_assignment_after_a_join_step_is_the_partition_of_now():
+    """``Method.cluster_assignment`` answers the clusters of now: after an evaluation, a join step that
+    moves the newcomers' pairs (``join_start: upload``; newcomer 0 uploads device 3's model, so its
+    pair to device 3 is 0, below ν, newcomer 2 uploads a far model) must be seen without another
+    evaluation (at which newcomer 0, not yet joined, was a cluster of its own).
+    The truth: the components of {‖θ_ij‖ < ν} over the pair norms θ holds after the step, found here
+    by a search in numpy (pairs with a device that has not joined do not exist)."""
+    sim = _fpfc_newcomers(method__join_start="upload", method__penalty="l1", method__rho=2.0, method__nu=0.3)
+    meth = sim.method
+    sim.evaluate()
+    members = sorted(sim.ctx.members)
+    w3 = meth.W[3].double().numpy().copy()
+    meth.join_begin(1, [0, 2])
+    meth.join_aggregate(1, 0, {0: _reply(w3, 10, meth.init), 2: _reply(w3 + 50.0, 10, meth.init)})
+    norms = np.linalg.norm(meth.theta.double().numpy(), axis=2)
+    joined = set(members) | {0, 2}
+    m = norms.shape[0]
+    near = [[i != j and i in joined and j in joined and not (i in (0, 2) and j in (0, 2)) and norms[i, j] < 0.3
+             for j in range(m)] for i in range(m)]
+    label, count = [-1] * m, 0
+    for s in range(m):
+        if label[s] < 0:
+            stack, label[s] = [s], count
+            while stack:
+                i = stack.pop()
+                for j in range(m):
+                    if (near[i][j] or near[j][i]) and label[j] < 0:
+                        label[j] = count
+                        stack.append(j)
+            count += 1
+    got = meth.cluster_assignment()
+    same = lambda a, b: {(i, j) for i in a for j in a if a[i] == a[j]} == {(i, j) for i in b for j in b if b[i] == b[j]}  # noqa: E731
+    want = {c: label[c] for c in got}
+    assert same(got, want)
+    assert want[0] == want[3] and want[2] != want[3]  # newcomer 0 joined device 3's cluster
