@@ -55,13 +55,12 @@ DETECTED = ("killed", "caught by type check")
 
 def results(root: Path = ROOT) -> dict[str, int | None]:
     """Every mutant name → its exit code (None: not run yet): mutmut's, overridden by the direct
-    runner's where that still holds (:func:`_valid_rows`)."""
+    runner's where that still holds (:func:`_valid_rows`). A survivor needs the direct runner's word:
+    mutmut keeps a verdict while its function is unchanged, though its file or tests changed since."""
     out: dict[str, int | None] = {}
     for meta in sorted((root / "mutants").rglob("*.meta")):
-        out.update(json.loads(meta.read_text())["exit_code_by_key"])
-    for row in _valid_rows(root):
-        if row["name"] in out:
-            out[row["name"]] = row["code"]
+        out.update({k: None if c == 0 else c for k, c in json.loads(meta.read_text())["exit_code_by_key"].items()})
+    out.update({row["name"]: row["code"] for row in _valid_rows(root) if row["name"] in out})
     return out
 
 
