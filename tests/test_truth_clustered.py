@@ -8,7 +8,8 @@ FPFC and FPFC-L1 are checked on the first-order optimality (KKT) conditions of t
 import numpy as np
 import pytest
 
-from truth import affine_fixed_point, close, least_squares, params_of, run_rounds, simulator, vec
+from truth import (affine_fixed_point, close, components, least_squares, params_of, run_rounds, same_partition,
+                   simulator, vec)
 
 LR, K = 0.2, 2
 TRUE = [0, 0, 1, 1]
@@ -22,11 +23,6 @@ def problem():
 def _cluster_map(p, members, weights=None, steps=K):
     w = np.full(len(members), 1 / len(members)) if weights is None else weights
     return lambda th: sum(wi * p.gd(i, th, steps, LR) for i, wi in zip(members, w))
-
-
-def _same_partition(labels, truth) -> bool:
-    pairs = lambda lab: {(i, j) for i in range(len(lab)) for j in range(len(lab)) if lab[i] == lab[j]}  # noqa: E731
-    return pairs(list(labels)) == pairs(list(truth))
 
 
 # ---- IFCA ----------------------------------------------------------------------------------------
@@ -128,7 +124,7 @@ def test_pacfl_angles_partition_and_per_cluster_fedavg(angle):
         np.testing.assert_allclose(prox[~across], 0.0, atol=0.1)  # the same plane (arccos near 1 is coarse)
     else:  # the smallest angle between two orthonormal bases of one plane is at most 45°
         assert (prox[~across] <= 45.0 + 1e-3).all()
-    assert _same_partition([sim.method.labels[i] for i in range(4)], TRUE)
+    assert same_partition([sim.method.labels[i] for i in range(4)], TRUE)
     models = {c: theta0.copy() for c in (0, 1)}
     for _ in range(3):
         for c in (0, 1):
@@ -219,18 +215,7 @@ def test_fpfc_cluster_assignment_is_the_partition_of_now_after_rounds_without_an
     assert set(sim.method.cluster_assignment().values()) == {0}
     run_rounds(sim, 15)
     theta = sim.method.theta.double().numpy()
-    near = np.linalg.norm(theta, axis=2) < 0.5
-    labels, next_label = [-1] * p.m, 0
-    for start in range(p.m):
-        if labels[start] < 0:
-            stack, labels[start] = [start], next_label
-            while stack:
-                i = stack.pop()
-                for j in range(p.m):
-                    if (near[i, j] or near[j, i]) and labels[j] < 0:
-                        labels[j] = next_label
-                        stack.append(j)
-            next_label += 1
-    assert next_label > 1, "the rounds must split the federation for this test to tell the answers apart"
+    labels = components(np.linalg.norm(theta, axis=2) < 0.5)
+    assert labels.max() > 0, "the rounds must split the federation for this test to tell the answers apart"
     got = sim.method.cluster_assignment()
-    assert _same_partition([got[i] for i in range(p.m)], labels)
+    assert same_partition([got[i] for i in range(p.m)], labels)

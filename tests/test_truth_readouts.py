@@ -19,27 +19,10 @@ import torch
 
 from pfl import clusters, lowrank
 from pfl.federation.messages import LowRank, Message, Model
+from truth import components
 
 
 # ---- clusters ----------------------------------------------------------------------------------
-
-def _bfs_components(adj):
-    m = len(adj)
-    labels = [-1] * m
-    nxt = 0
-    for s in range(m):
-        if labels[s] >= 0:
-            continue
-        labels[s], queue = nxt, [s]
-        while queue:
-            u = queue.pop()
-            for v in range(m):
-                if (adj[u][v] or adj[v][u]) and labels[v] < 0:
-                    labels[v] = nxt
-                    queue.append(v)
-        nxt += 1
-    return labels
-
 
 def _silhouette(dist, labels):
     labels = np.asarray(labels)
@@ -75,7 +58,7 @@ def _brute_threshold(dist, min_score=0.25):
     best, best_labels, best_nu = min_score, None, None
     for low, high in zip(heights[:-1], heights[1:]):
         nu = (low + high) / 2
-        labels = _bfs_components([[dist[i][j] < nu for j in range(m)] for i in range(m)])
+        labels = components([[dist[i][j] < nu for j in range(m)] for i in range(m)]).tolist()
         k = max(labels) + 1
         if 2 <= k <= m - 1:
             score = _silhouette(dist, labels)
@@ -93,7 +76,7 @@ def test_connected_components_are_a_breadth_first_search_labelled_by_first_appea
     rng = np.random.default_rng(0)
     for _ in range(5):
         w = rng.random((9, 9)) * (rng.random((9, 9)) < 0.15)   # weighted, asymmetric: any nonzero is an edge
-        truth = _bfs_components(w != 0)
+        truth = components(w != 0).tolist()
         assert clusters.connected_components(w).tolist() == truth
         assert clusters.connected_components(torch.tensor(w != 0)).tolist() == truth
     assert clusters.connected_components(np.eye(3, dtype=bool)).tolist() == [0, 1, 2]

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from truth import least_squares, params_of, run_rounds, simulator
+from truth import CudaDeviceRules, components, least_squares, params_of, run_rounds, same_partition, simulator
 
 
 # ---- the pair math, written out in numpy ---------------------------------------------------------------
@@ -57,20 +57,12 @@ def _torch(*arrays):
 def _expected(W, theta, v, rows, cols, kappa, rho, sequential):
     """The ADMM pair step over the pairs (i ∈ rows, j ∈ cols), loop by loop."""
     theta, v = theta.copy(), v.copy()
-    if sequential:
-        for i in rows:
-            for j in cols:
-                d = W[i] - W[j]
-                t = _gst_np(d + v[i, j] / rho, kappa)
-                nv = v[i, j] + rho * (d - t)
-                theta[i, j], v[i, j], theta[j, i], v[j, i] = t, nv, -t, -nv
-        return theta, v
-    old = v.copy()
+    duals = v if sequential else v.copy()  # sequential: a pair reads the duals the earlier pairs wrote
     for i in rows:
         for j in cols:
             d = W[i] - W[j]
-            t = _gst_np(d + old[i, j] / rho, kappa)
-            nv = old[i, j] + rho * (d - t)
+            t = _gst_np(d + duals[i, j] / rho, kappa)
+            nv = duals[i, j] + rho * (d - t)
             theta[i, j], v[i, j], theta[j, i], v[j, i] = t, nv, -t, -nv
     return theta, v
 
@@ -145,31 +137,13 @@ def test_pair_update_refuses_an_unknown_mode_naming_it_and_the_allowed_ones(cols
 
 # ---- CUDA's device rules, enforced on ``meta`` ------------------------------------------------------
 
-class _CudaDeviceRules(torch.overrides.TorchFunctionMode):
-    """What CUDA refuses and ``meta`` lets through: index_select / index_copy with an index on another
-    device, and an indexed assignment of a value tensor (not a 0-d scalar) from another device."""
-
-    ops = {torch.index_select, torch.Tensor.index_select, torch.Tensor.index_copy_, torch.Tensor.index_copy}
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in self.ops:
-            devices = {a.device for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)}
-            assert len(devices) == 1, f"{func.__name__} across devices {devices}"
-        if func is torch.Tensor.__setitem__:
-            target, value = args[0], args[2]
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
-                assert value.device == target.device, f"assigning a {value.device} value into {target.device}"
-        return func(*args, **kwargs)
-
-
 def test_pair_update_over_all_devices_indexes_on_the_devices_of_w():
     """(kills pair_update 28, 31)"""
     from pfl.methods.fpfc_admm import pair_update
 
     W = torch.zeros(4, 3, device="meta")
     theta, v = torch.zeros(4, 4, 3, device="meta"), torch.zeros(4, 4, 3, device="meta")
-    with _CudaDeviceRules():
+    with CudaDeviceRules():
         pair_update(W, theta, v, [0, 2], lambda d: 0.5 * d, 2.0)
     assert theta.device.type == "meta" and v.device.type == "meta"
 
@@ -320,7 +294,7 @@ def test_fpfc_join_records_the_sample_counts_on_the_servers_device():
     meth.join_begin(1, [0, 2])
     meth.W, meth.theta, meth.v, meth.n_seen = (t.to("meta") for t in (meth.W, meth.theta, meth.v, meth.n_seen))
     replies = {c: _reply([1.0, -2.0, 0.5], 10, meth.init, device="meta") for c in (0, 2)}
-    with _CudaDeviceRules():
+    with CudaDeviceRules():
         meth.join_aggregate(1, 0, replies)
     assert meth.n_seen.device.type == "meta" and meth.W.device.type == "meta"
 
@@ -342,21 +316,10 @@ def test_fpfc_cluster_assignment_after_a_join_step_is_the_partition_of_now():
     norms = np.linalg.norm(meth.theta.double().numpy(), axis=2)
     joined = set(members) | {0, 2}
     m = norms.shape[0]
-    near = [[i != j and i in joined and j in joined and not (i in (0, 2) and j in (0, 2)) and norms[i, j] < 0.3
-             for j in range(m)] for i in range(m)]
-    label, count = [-1] * m, 0
-    for s in range(m):
-        if label[s] < 0:
-            stack, label[s] = [s], count
-            while stack:
-                i = stack.pop()
-                for j in range(m):
-                    if (near[i][j] or near[j][i]) and label[j] < 0:
-                        label[j] = count
-                        stack.append(j)
-            count += 1
+    exists = np.array([[i in joined and j in joined and not (i in (0, 2) and j in (0, 2)) for j in range(m)]
+                       for i in range(m)])
+    label = components(exists & (norms < 0.3))
     got = meth.cluster_assignment()
-    same = lambda a, b: {(i, j) for i in a for j in a if a[i] == a[j]} == {(i, j) for i in b for j in b if b[i] == b[j]}  # noqa: E731
     want = {c: label[c] for c in got}
-    assert same(got, want)
+    assert same_partition(got, want)
     assert want[0] == want[3] and want[2] != want[3]  # newcomer 0 joined device 3's cluster

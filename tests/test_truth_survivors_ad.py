@@ -10,7 +10,6 @@ recomputed in numpy on a vector of realistic size."""
 
 from __future__ import annotations
 
-import math
 import re
 from types import SimpleNamespace
 
@@ -20,7 +19,7 @@ import torch
 
 from pfl.compression.compressors import PQuant, PQuantParams
 from pfl.federation.comm import CommLedger
-from pfl.federation.messages import Message, Model
+from pfl.federation.messages import Message
 from pfl.federation.state import storages
 from pfl.federation.wire import Chain, Phase, Stage, Wire
 from pfl.training import handed_over

@@ -9,9 +9,8 @@ recomputed in numpy from the clients' GD models (and shown to differ from f = 0'
 its clusters before any round or evaluation answers one cluster (θ = 0: every pair below ν)."""
 
 import numpy as np
-import torch
 
-from truth import BIAS, WEIGHT, close, least_squares, params_of, run_rounds, simulator, vec
+from truth import close, least_squares, params_of, run_rounds, simulator, vec
 
 LR, K = 0.2, 3
 

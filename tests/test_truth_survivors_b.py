@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from truth import close, least_squares, params_of, run_rounds, simulator, vec
+from truth import CudaDeviceRules, close, least_squares, params_of, run_rounds, simulator, vec
 
 LR, K = 0.2, 3
 
@@ -593,27 +593,13 @@ def test_l2gd_compressed_upload_is_the_change_to_the_received_mean():
 
 # ---- the server's index tensors live on the server's device (checked on ``meta``) ----------------------
 
-class _IndexOnSameDevice(torch.overrides.TorchFunctionMode):
-    """CUDA's rule for index_select / index_copy (the index on the tensor's device), enforced on any
-    device: on ``meta`` an index made without the server's device lands on the CPU."""
-
-    ops = {torch.index_select, torch.Tensor.index_select, torch.Tensor.index_copy_, torch.Tensor.index_copy}
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in self.ops:
-            devices = {a.device for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)}
-            assert len(devices) == 1, f"{func.__name__} across devices {devices}"
-        return func(*args, **kwargs)
-
-
 def test_the_residual_cache_indexes_on_the_servers_device():
     """(kills Residuals.update_rows 10, 13)"""
     from pfl.methods.fpfc_admm import Residuals
 
     W, theta = torch.zeros(4, 3, device="meta"), torch.zeros(4, 4, 3, device="meta")
     tracker = Residuals()
-    with _IndexOnSameDevice():
+    with CudaDeviceRules():
         tracker.update_rows(W, theta, [0, 2])
         tracker.update_rows(W, theta, [1])
     assert tracker.pair_sq.device.type == "meta" and tuple(tracker.pair_sq.shape) == (4, 4)
@@ -625,7 +611,7 @@ def test_an_fpfc_join_message_is_computed_on_the_servers_device():
     meth = sim.method
     meth.join_begin(2, [0, 2])
     meth.W, meth.theta, meth.v = (t.to("meta") for t in (meth.W, meth.theta, meth.v))
-    with _IndexOnSameDevice():
+    with CudaDeviceRules():
         msg = meth.join_message(2, 1, 0)
     zeta = msg.tensors("zeta")
     assert set(zeta) == set(meth.clustered) and all(t.device.type == "meta" for t in zeta.values())

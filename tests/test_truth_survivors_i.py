@@ -20,43 +20,12 @@ import numpy as np
 import pytest
 import torch
 
-from truth import BIAS, WEIGHT, Recorder, close, least_squares, run_rounds, simulator, vec
+from truth import BIAS, WEIGHT, Recorder, close, components, least_squares, run_rounds, set_pair_norms, simulator, vec
 
 LR, K = 0.2, 3
 
 
 # ---- numpy read-outs -----------------------------------------------------------------------------
-
-def _components(dist: np.ndarray, nu: float) -> np.ndarray:
-    """Connected components of {dist_ij < ν} by union-find, labelled 0.. in order of first appearance."""
-    m = len(dist)
-    parent = list(range(m))
-
-    def root(i):
-        while parent[i] != i:
-            i = parent[i]
-        return i
-
-    for i in range(m):
-        for j in range(i + 1, m):
-            if dist[i, j] < nu:
-                parent[root(i)] = root(j)
-    first: dict[int, int] = {}
-    return np.array([first.setdefault(root(i), len(first)) for i in range(m)])
-
-
-def _designed_theta(meth, values: dict[tuple[int, int], float]) -> np.ndarray:
-    """θ_ij = (s_ij, 0, …) (antisymmetric, every other pair far at 2.0): ‖θ_ij‖ = |s_ij| exactly."""
-    m, p = meth.theta.shape[0], meth.theta.shape[2]
-    s = np.full((m, m), 2.0)
-    np.fill_diagonal(s, 0.0)
-    for (i, j), value in values.items():
-        s[i, j] = s[j, i] = value
-    theta = np.zeros((m, m, p))
-    theta[:, :, 0] = np.triu(s) - np.triu(s).T
-    meth.theta.copy_(torch.tensor(theta, dtype=meth.theta.dtype))
-    return s
-
 
 @pytest.fixture(scope="module")
 def fpfc_run():
@@ -75,14 +44,14 @@ def test_fpfc_clusters_are_the_components_of_pairs_strictly_below_nu(fpfc_run):
     meth = sim.method
     saved_theta, saved_hp = meth.theta.clone(), meth.hp
     try:
-        dist = _designed_theta(meth, {(0, 1): 0.25, (1, 2): 0.5, (3, 4): 0.125})
-        assert meth.clusters(0.5).tolist() == _components(dist, 0.5).tolist() == [0, 0, 1, 2, 2]
-        assert meth.clusters(0.75).tolist() == _components(dist, 0.75).tolist() == [0, 0, 0, 1, 1]
+        dist = set_pair_norms(meth, {(0, 1): 0.25, (1, 2): 0.5, (3, 4): 0.125})
+        assert meth.clusters(0.5).tolist() == components(dist < 0.5).tolist() == [0, 0, 1, 2, 2]
+        assert meth.clusters(0.75).tolist() == components(dist < 0.75).tolist() == [0, 0, 0, 1, 1]
         meth.hp = dataclasses.replace(saved_hp, nu=0.3)
-        assert meth.clusters().tolist() == _components(dist, 0.3).tolist()
+        assert meth.clusters().tolist() == components(dist < 0.3).tolist()
         meth.hp = dataclasses.replace(saved_hp, nu=0.2)
-        assert meth.clusters().tolist() == _components(dist, 0.2).tolist() == [0, 1, 2, 3, 3]
-        assert meth.clusters(0.75).tolist() == _components(dist, 0.75).tolist()
+        assert meth.clusters().tolist() == components(dist < 0.2).tolist() == [0, 1, 2, 3, 3]
+        assert meth.clusters(0.75).tolist() == components(dist < 0.75).tolist()
     finally:
         meth.theta.copy_(saved_theta)
         meth.hp = saved_hp
@@ -95,7 +64,7 @@ def test_fpfc_theta_gap_is_the_largest_within_and_smallest_between_true_clusters
     meth = sim.method
     saved = meth.theta.clone()
     try:
-        dist = _designed_theta(meth, {(0, 1): 0.25, (1, 2): 0.5, (3, 4): 0.125, (2, 3): 1.5})
+        dist = set_pair_norms(meth, {(0, 1): 0.25, (1, 2): 0.5, (3, 4): 0.125, (2, 3): 1.5})
         true = problem.clusters
         pairs = [(i, j) for i in range(5) for j in range(i + 1, 5)]
         within = max(dist[i, j] for i, j in pairs if true[i] == true[j])

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from truth import BIAS, WEIGHT, Recorder, close, least_squares, params_of, run_rounds, simulator, vec
+from truth import Recorder, close, least_squares, params_of, run_rounds, simulator, vec
 
 LR, K = 0.2, 3
 

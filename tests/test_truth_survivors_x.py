@@ -20,38 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from truth import least_squares, run_rounds, simulator, vec
-
-
-def _set_distances(meth, s: np.ndarray) -> None:
-    """θ_ij = (s_ij, 0, ...) for i < j, antisymmetric: ‖θ_ij‖ = s_ij."""
-    m, dim = meth.theta.shape[0], meth.theta.shape[2]
-    theta = np.zeros((m, m, dim))
-    theta[:, :, 0] = np.triu(s, 1) - np.triu(s, 1).T
-    meth.theta.copy_(torch.tensor(theta, dtype=meth.theta.dtype))
-
-
-def _components(adj: np.ndarray) -> list[set[int]]:
-    """Connected components of a boolean adjacency matrix, by depth-first search."""
-    m, seen, out = len(adj), set(), []
-    for s in range(m):
-        if s in seen:
-            continue
-        comp, stack = set(), [s]
-        while stack:
-            i = stack.pop()
-            if i in comp:
-                continue
-            comp.add(i)
-            stack.extend(j for j in range(m) if adj[i, j] and j not in comp)
-        seen |= comp
-        out.append(comp)
-    return out
-
-
-def _partition(labels) -> set[frozenset[int]]:
-    labels = np.asarray(labels)
-    return {frozenset(np.flatnonzero(labels == k).tolist()) for k in np.unique(labels)}
+from truth import components, least_squares, run_rounds, same_partition, set_pair_norms, simulator, vec
 
 
 # ---- configure: the N(0, init_std²) start --------------------------------------------------------------
@@ -126,12 +95,12 @@ def test_fpfc_before_any_evaluation_the_assignment_is_the_components_below_nu_an
     s = np.full((4, 4), 1.0)
     s[0, 1] = s[1, 0] = 0.05
     s[2, 3] = s[3, 2] = 0.09
-    _set_distances(meth, s)
-    expected = {frozenset(c) for c in _components(s < 0.1)}
-    assert expected == {frozenset({0, 1}), frozenset({2, 3})}
+    set_pair_norms(meth, s)
+    expected = components(s < 0.1)
+    assert expected.tolist() == [0, 0, 1, 1]  # components {0, 1} and {2, 3}
     got = meth.cluster_assignment()
     assert sorted(got) == [0, 1, 2, 3]
-    assert _partition([got[c] for c in range(4)]) == expected
+    assert same_partition([got[c] for c in range(4)], expected)
     for cid in range(4):
         assert meth.eval_message(0, cid) is None
     files = meth.artifacts(str(tmp_path))
@@ -139,7 +108,7 @@ def test_fpfc_before_any_evaluation_the_assignment_is_the_components_below_nu_an
     with open(tmp_path / "fpfc_clusters.csv", newline="") as fh:
         rows = list(csv.DictReader(fh))
     assert [int(r["client"]) for r in rows] == [0, 1, 2, 3]
-    assert _partition([int(r["found_cluster"]) for r in rows]) == expected
+    assert same_partition([int(r["found_cluster"]) for r in rows], expected)
 
 
 # ---- pair_mask: the pairs that exist -------------------------------------------------------------------
@@ -154,7 +123,7 @@ def test_fpfc_without_newcomers_every_pair_is_at_its_theta_norm():
     s = rs.uniform(0.2, 2.0, (4, 4))
     s = (s + s.T) / 2
     np.fill_diagonal(s, 0.0)
-    _set_distances(meth, s)
+    set_pair_norms(meth, s)
     assert meth.pair_mask() is None
     assert np.allclose(meth.distances().double().numpy(), s, rtol=1e-6, atol=0)
 
@@ -174,7 +143,7 @@ def test_fpfc_pairs_of_newcomers_exist_only_to_members_after_they_joined():
     iu = np.triu_indices(6, 1)
     s[iu] = 0.5 + 0.1 * np.arange(len(iu[0]))
     s = s + s.T
-    _set_distances(meth, s)
+    set_pair_norms(meth, s)
 
     def expected(joined):
         present = set(members) | set(joined)
@@ -221,11 +190,11 @@ def test_fpfc_silhouette_nu_cuts_the_current_distances_between_the_two_groups():
     sim = _silhouette_sim()
     meth = sim.method
     s = _two_groups()
-    _set_distances(meth, s)
+    set_pair_norms(meth, s)
     assert meth.hp.nu == pytest.approx(0.1)
     assert meth.readout_nu() == pytest.approx(2.7, rel=1e-6)
     assert meth.readout_nu(meth.distances()) == pytest.approx(2.7, rel=1e-6)
-    assert _partition(meth.clusters()) == {frozenset({0, 1, 2}), frozenset({3, 4, 5})}
+    assert same_partition(meth.clusters(), [0, 0, 0, 1, 1, 1])
 
 
 def test_fpfc_silhouette_nu_is_chosen_on_the_distances_passed_in():

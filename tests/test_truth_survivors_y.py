@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from truth import least_squares, run_rounds, simulator
+from truth import CudaDeviceRules, components, least_squares, run_rounds, same_partition, simulator
 
 
 def _newcomers(**kw):
@@ -31,20 +31,6 @@ def _newcomers(**kw):
     run_rounds(sim, 2)
     assert sorted(sim.ctx.newcomers) == [0, 2]
     return sim
-
-
-class _IndexOnSameDevice(torch.overrides.TorchFunctionMode):
-    """CUDA's rule for index_select (the index on the tensor's device), enforced on any device: on
-    ``meta`` an index made without the server's device lands on the CPU."""
-
-    ops = {torch.index_select, torch.Tensor.index_select}
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in self.ops:
-            devices = {a.device for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)}
-            assert len(devices) == 1, f"{func.__name__} across devices {devices}"
-        return func(*args, **kwargs)
 
 
 # ---- the simulated clock ------------------------------------------------------------------------------
@@ -110,7 +96,7 @@ def test_fpfc_zeta_with_newcomers_is_computed_on_the_servers_device():
     sim = _newcomers()
     meth = sim.method
     meth.W, meth.theta, meth.v = (t.to("meta") for t in (meth.W, meth.theta, meth.v))
-    with _IndexOnSameDevice():
+    with CudaDeviceRules():
         meth.begin_round(sim.round, [1, 3])
     zeta = meth.broadcast(sim.round, 3).tensors("zeta")
     assert set(zeta) == set(meth.clustered) and all(t.device.type == "meta" for t in zeta.values())
@@ -175,29 +161,6 @@ def test_fpfc_distances_with_newcomers_are_infinite_for_pairs_that_do_not_exist(
             assert dist[i, j] == pytest.approx(expected, rel=1e-6), (i, j)
 
 
-def _components(linked: np.ndarray) -> list[set[int]]:
-    parent = list(range(len(linked)))
-
-    def root(i):
-        while parent[i] != i:
-            i = parent[i]
-        return i
-
-    for i, j in zip(*np.nonzero(linked)):
-        parent[root(int(i))] = root(int(j))
-    groups: dict[int, set[int]] = {}
-    for i in range(len(linked)):
-        groups.setdefault(root(i), set()).add(i)
-    return sorted(groups.values(), key=min)
-
-
-def _partition(assignment: dict[int, int]) -> list[set[int]]:
-    groups: dict[int, set[int]] = {}
-    for c, k in assignment.items():
-        groups.setdefault(k, set()).add(c)
-    return sorted(groups.values(), key=min)
-
-
 def test_fpfc_assignment_before_any_evaluation_is_the_components_below_nu():
     """No evaluation yet: the members' assignment is the connected components of {‖θ_ij‖ < ν} over the
     members; ν is set between two of the pair norms so that the partition is neither one cluster nor
@@ -213,9 +176,9 @@ def test_fpfc_assignment_before_any_evaluation_is_the_components_below_nu():
     assert meth._labels is None
     assignment = meth.cluster_assignment()
     assert sorted(assignment) == members
-    expected = [{members[i] for i in g} for g in _components(norms < nu)]
-    assert _partition(assignment) == expected
-    assert 1 < len(expected) < 4
+    expected = components(norms < nu)
+    assert same_partition([assignment[c] for c in members], expected)
+    assert 1 < len(set(expected)) < 4
 
 
 def test_fpfc_residuals_with_newcomers_are_over_the_members_pairs():

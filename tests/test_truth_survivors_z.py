@@ -18,24 +18,13 @@ import numpy as np
 import pytest
 import torch
 
-from truth import Recorder, least_squares, mlp_forward, run_rounds, simulator, softmax, vec
+from truth import Recorder, least_squares, mlp_forward, run_rounds, set_pair_norms, simulator, softmax, vec
 
 LR, K, NU, LAM = 0.2, 3, 0.5, 0.8
 SIZES, TRUE = (20, 30, 24, 27, 18), [0, 0, 0, 1, 1]
 # ‖θ_ij‖ by hand: {0, 1, 2} linked below ν, {3, 4} linked, (2, 3) exactly at ν (not linked); between the
 # two clusters 4 of the 6 pairs below λ = 0.8 (0.5, 0.6, 0.6, 0.6), the others at 2.0
 NORMS = {(0, 1): 0.25, (1, 2): 0.3, (3, 4): 0.49, (2, 3): 0.5, (0, 3): 0.6, (1, 3): 0.6, (0, 4): 0.6}
-
-
-def _set_norms(meth, norms):
-    m, dim = meth.theta.shape[0], meth.theta.shape[2]
-    s = np.full((m, m), 2.0)
-    np.fill_diagonal(s, 0.0)
-    for (i, j), value in norms.items():
-        s[i, j] = s[j, i] = value
-    theta = np.zeros((m, m, dim))
-    theta[:, :, 0] = np.triu(s) - np.triu(s).T
-    meth.theta.copy_(torch.tensor(theta, dtype=meth.theta.dtype))
 
 
 def _linear(**kw):
@@ -47,7 +36,7 @@ def _linear(**kw):
     run_rounds(sim, 1)
     W = np.array([p.gd(i, w0, K, LR, pull=(1.0, w0)) for i in range(p.m)])
     assert np.allclose(sim.method.W.double().numpy(), W, atol=1e-5)
-    _set_norms(sim.method, NORMS)
+    set_pair_norms(sim.method, NORMS)
     return sim, p, W
 
 
@@ -95,7 +84,7 @@ def test_fpfc_glued_clusters_count_none_at_half_or_fewer_close_pairs():
     """Only (2, 3) below λ between the clusters (1 of 6): not glued (a constant count would pass the
     test above)."""
     sim, _, _ = _linear()
-    _set_norms(sim.method, {k: v for k, v in NORMS.items() if v < 0.55})
+    set_pair_norms(sim.method, {k: v for k, v in NORMS.items() if v < 0.55})
     metrics = sim.evaluate(final=True)
     assert metrics["cluster/num"] == 2.0 and metrics["fpfc/glued_clusters"] == 0.0
 

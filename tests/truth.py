@@ -165,6 +165,75 @@ def close(a: np.ndarray, b: np.ndarray, tol: float = 1e-5) -> bool:
     return float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) <= tol * max(1.0, float(np.max(np.abs(b))))
 
 
+# ---- clusters: pair norms set by hand, components found by a search ------------------------------
+
+def set_pair_norms(meth, norms, far: float = 2.0) -> np.ndarray:
+    """FPFC's θ_ij = (s_ij, 0, …) for i < j and −θ_ji, so ‖θ_ij‖ = s_ij exactly; ``norms`` an (m, m)
+    matrix (its upper triangle is read) or {(i, j): s_ij} with every other pair at ``far``. Returns s."""
+    m, dim = meth.theta.shape[0], meth.theta.shape[2]
+    if isinstance(norms, dict):
+        s = np.full((m, m), far)
+        np.fill_diagonal(s, 0.0)
+        for (i, j), value in norms.items():
+            s[i, j] = s[j, i] = value
+    else:
+        s = np.asarray(norms, dtype=float)
+    theta = np.zeros((m, m, dim))
+    theta[:, :, 0] = np.triu(s, 1) - np.triu(s, 1).T
+    meth.theta.copy_(torch.tensor(theta, dtype=meth.theta.dtype))
+    return s
+
+
+def components(linked) -> np.ndarray:
+    """The connected components of the graph with an edge where ``linked[i][j]`` or ``linked[j][i]``,
+    by a depth-first search: labels 0, 1, … in order of first appearance."""
+    linked = np.asarray(linked, dtype=bool)
+    m = len(linked)
+    labels, count = np.full(m, -1), 0
+    for start in range(m):
+        if labels[start] >= 0:
+            continue
+        labels[start], stack = count, [start]
+        while stack:
+            i = stack.pop()
+            for j in np.flatnonzero((linked[i] | linked[:, i]) & (labels < 0)):
+                labels[j] = count
+                stack.append(int(j))
+        count += 1
+    return labels
+
+
+def same_partition(a, b) -> bool:
+    """Two labellings of the same items (sequences, or dicts over the same keys) group them alike."""
+    if isinstance(a, dict):
+        keys = sorted(a)
+        a, b = [a[k] for k in keys], [b[k] for k in keys]
+    groups = lambda lab: {frozenset(np.flatnonzero(np.asarray(lab) == k).tolist()) for k in set(lab)}  # noqa: E731
+    return groups(list(a)) == groups(list(b))
+
+
+# ---- CUDA's device rules, checked where no GPU is ------------------------------------------------
+
+class CudaDeviceRules(torch.overrides.TorchFunctionMode):
+    """What CUDA refuses and ``meta`` lets through, refused on any device: index_select / index_copy
+    with an index on another device, and an indexed assignment of a value tensor (not a 0-d scalar)
+    from another device. A server moved to ``meta`` stands in for one on a GPU: an index or value
+    made without the server's device lands on the CPU."""
+
+    ops = {torch.index_select, torch.Tensor.index_select, torch.Tensor.index_copy_, torch.Tensor.index_copy}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.ops:
+            devices = {a.device for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)}
+            assert len(devices) == 1, f"{func.__name__} across devices {devices}"
+        if func is torch.Tensor.__setitem__:
+            target, value = args[0], args[2]
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                assert value.device == target.device, f"assigning a {value.device} value into {target.device}"
+        return func(*args, **kwargs)
+
+
 # ---- a small classifier written out in numpy ----------------------------------------------------
 
 def softmax(z: np.ndarray) -> np.ndarray:
