@@ -85,3 +85,32 @@ def test_every_run_logs_the_partition_plot_to_mlflow(tmp_path):
     run = mc.get_run(summary.run_id)
     assert run.data.metrics["comm/total_bytes"] == 0 and run.data.metrics["comm/eval_down_bytes"] == 0
     assert run.data.metrics["centralized/budget"] > 0
+
+
+def test_a_partition_plot_is_drawn_once_per_partition_in_a_process(tmp_path, monkeypatch):
+    """A table's rows of one seed share their data: the plot is drawn for the first and copied for
+    the others (the bytes a drawing gives), while another partition gets its own drawing."""
+    from pfl import plots
+    from pfl.callbacks import tracking
+    from pfl.federation.simulator import Simulator
+
+    drawn = []
+    real = plots.plot_partition
+    monkeypatch.setattr(plots, "plot_partition", lambda view, path, title: drawn.append(title) or
+                        real(view, path, title=title))
+    monkeypatch.setattr(tracking, "_PARTITION_PNGS", {})
+    base = {"data.source": "digits", "data.num_clients": 6, "tracking.enabled": False}
+    runs = [Simulator(load(None, {**base, "method.name": "fedavg"})),
+            Simulator(load(None, {**base, "method.name": "ditto"})),              # the same data, another row
+            Simulator(load(None, {**base, "method.name": "fedavg", "seed": 1}))]  # another partition
+    assert runs[0].data.partition_hash == runs[1].data.partition_hash != runs[2].data.partition_hash
+    out = []
+    for i, sim in enumerate(runs):
+        (tmp_path / str(i)).mkdir()
+        out.append(tracking.write_partition_plot(sim, tmp_path / str(i)).read_bytes())
+    assert len(drawn) == 2
+    assert out[1] == out[0] and out[2] != out[0]
+    monkeypatch.setattr(tracking, "_PARTITION_PNGS", {})
+    (tmp_path / "fresh").mkdir()
+    assert tracking.write_partition_plot(runs[1], tmp_path / "fresh").read_bytes() == out[1]
+    assert len(drawn) == 3

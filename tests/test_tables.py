@@ -122,6 +122,29 @@ def _table_args(table, tmp_path, *extra):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("owner, name, module", [("pfl.tables.engine", "table_trainable", "pfl.tables.cell"),
+                                                  ("pfl.tune.sweep", "federated_trainable", "pfl.tune.entry")])
+def test_a_trial_actor_starts_without_torch_or_the_round_loop(owner, name, module):
+    """Tune unpickles a trial's trainable when it creates the actor, importing its module. If that
+    import pulled in torch and the round loop (seconds), a table of short cells would run on one
+    actor: Tune hands each waiting cell to the actor that just finished one and stops the actor still
+    importing (pfl/tables/cell.py). So the trainables the engine and the sweeps bind live in modules
+    that import neither; their heavy imports happen inside the trial."""
+    import importlib
+    import pickle
+
+    import cloudpickle
+
+    fn = getattr(importlib.import_module(owner), name)
+    code = ("import pickle, sys; fn = pickle.loads(sys.stdin.buffer.read()); "
+            "heavy = sorted(m for m in ('torch', 'pfl.federation', 'pfl.tables.engine', 'pfl.tune.trainable', "
+            "'mlflow') if m in sys.modules); print(fn.__module__, heavy)")
+    out = subprocess.run([sys.executable, "-c", code], input=cloudpickle.dumps(fn), capture_output=True, check=True,
+                         cwd=ROOT).stdout.decode().split(maxsplit=1)
+    assert out[0] == module and out[1].strip() == "[]", out
+    assert pickle.loads(cloudpickle.dumps(fn)) is fn
+
+
 def test_cells_give_the_numbers_of_in_process_runs_and_log_a_parent_with_children(ray_cluster, tmp_path):
     from pfl.runner import run_experiment
     from pfl.seeds import last_mean

@@ -82,6 +82,11 @@ def write_run_artifacts(sim, outdir: Path) -> list[tuple[Path, str | None]]:
     return files
 
 
+#: partition plots this process drew, by partition: a table's rows of one seed (a sweep's trials)
+#: share their data, and drawing one costs about a second on a small machine
+_PARTITION_PNGS: dict[tuple, bytes] = {}
+
+
 def write_partition_plot(sim, outdir: Path) -> Path:
     """``partition.png``: the run's clients × classes (a regression source: target histograms) and
     client sizes (:mod:`pfl.data.glance`)."""
@@ -89,8 +94,18 @@ def write_partition_plot(sim, outdir: Path) -> Path:
     from ..plots import plot_partition
 
     cfg = sim.cfg
-    return plot_partition(partition_view(sim.data), outdir / "partition.png",
-                          title=f"{cfg.data.source}: {cfg.data.partition.kind} partition, {sim.num_clients} clients")
+    title = f"{cfg.data.source}: {cfg.data.partition.kind} partition, {sim.num_clients} clients"
+    path = outdir / "partition.png"
+    key = (getattr(sim.data, "partition_hash", None), sim.num_clients, title)
+    if key[0] is not None and key in _PARTITION_PNGS:
+        path.write_bytes(_PARTITION_PNGS[key])
+        return path
+    plot_partition(partition_view(sim.data), path, title=title)
+    if key[0] is not None:
+        if len(_PARTITION_PNGS) >= 8:
+            _PARTITION_PNGS.pop(next(iter(_PARTITION_PNGS)))
+        _PARTITION_PNGS[key] = path.read_bytes()
+    return path
 
 
 class MLflowLogger(Callback):

@@ -46,7 +46,7 @@ from .runtime_env import worker_runtime_env
 from .results import (MlflowStatusCallback, SweepResult, expected_trials, kill_unfinished_children, log_table,
                       results_table, saved_trials)
 from .space import SearchSpace, base_config, check_space, describe_search
-from .trainable import federated_trainable
+from .entry import federated_trainable
 
 log = logging.getLogger(__name__)
 
