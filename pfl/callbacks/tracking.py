@@ -96,15 +96,15 @@ def write_partition_plot(sim, outdir: Path) -> Path:
     cfg = sim.cfg
     title = f"{cfg.data.source}: {cfg.data.partition.kind} partition, {sim.num_clients} clients"
     path = outdir / "partition.png"
-    key = (getattr(sim.data, "partition_hash", None), sim.num_clients, title)
-    if key[0] is not None and key in _PARTITION_PNGS:
-        path.write_bytes(_PARTITION_PNGS[key])
+    partition = getattr(sim.data, "partition_hash", None)   # data a caller built itself has none: drawn
+    if (partition, title) in _PARTITION_PNGS:
+        path.write_bytes(_PARTITION_PNGS[partition, title])
         return path
     plot_partition(partition_view(sim.data), path, title=title)
-    if key[0] is not None:
+    if partition is not None:
         if len(_PARTITION_PNGS) >= 8:
             _PARTITION_PNGS.pop(next(iter(_PARTITION_PNGS)))
-        _PARTITION_PNGS[key] = path.read_bytes()
+        _PARTITION_PNGS[partition, title] = path.read_bytes()
     return path
 
 

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..schema import ConfigError
-from .report import records_of
 from .cell import table_trainable
+from .report import records_of
 from .spec import Cell, TableSpec, fingerprint
 
 STATE_FILE = "pfl_table.json"
